@@ -1,0 +1,11 @@
+"""onecopy: serve exported multi-method PyTorch models from one copy of the weights on one device."""
+
+from .errors import *  # noqa: F401,F403  (the typed errors are part of the public API)
+from .export.exporter import export
+from .runtime.engine import Engine
+from .runtime.memory import MemoryReport
+from .runtime.session import Session
+from .sampling import SamplingParams
+
+__all__ = ["Engine", "MemoryReport", "SamplingParams", "Session", "export"]
+__version__ = "0.1.0"

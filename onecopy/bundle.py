@@ -1,0 +1,253 @@
+"""The bundle on disk: manifest.json + weights.safetensors + methods/<name>.pt2 + tokenizer.json.
+
+Reading is split from loading: `read_bundle` checks everything that can be checked without a
+device (format version, files, shapes, dtypes, content hashes, coverage, device kind) and
+returns a `Bundle` whose weights are still views of the mapped file. Nothing is bound to a
+device until every check has passed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import struct
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import (BundleNotFoundError, CoverageError, DeviceMismatchError, ManifestError,
+                     UnsupportedFormatVersionError, WeightsCorruptError, WeightSpecError)
+
+FORMAT = "onecopy-bundle"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+WEIGHTS = "weights.safetensors"
+TOKENIZER = "tokenizer.json"
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ManifestError(f"unknown dtype {name!r} in manifest; the bundle is damaged, export it again")
+    return dtype
+
+
+def sha256(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+@dataclass
+class TensorSpec:
+    shape: list[int]
+    dtype: str
+    sha256: str | None = None  # weights only
+    init: str | None = None  # state only: "zeros"
+
+    @property
+    def nbytes(self) -> int:
+        n = parse_dtype(self.dtype).itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class InputSpec:
+    """One method input. A dim is an int (static) or {"min": a, "max": b} (dynamic)."""
+
+    name: str
+    dtype: str
+    shape: list[Any]
+
+
+@dataclass
+class MethodSpec:
+    name: str
+    package: str
+    package_sha256: str
+    weights: str  # "external": weightless, bound to the store; "embedded": carries its own (fallback)
+    inputs: list[InputSpec]
+    constants: list[str]
+    state: list[str]
+
+
+@dataclass
+class Manifest:
+    family: str
+    config: dict[str, Any]
+    max_seq_len: int
+    dtype: str
+    device_kind: str
+    methods: dict[str, MethodSpec]
+    weights: dict[str, TensorSpec]
+    state: dict[str, TensorSpec]
+    tokenizer: dict[str, Any]
+    generation: dict[str, Any]
+    build: dict[str, Any] = field(default_factory=dict)
+    weights_file: str = WEIGHTS
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        d = {"format": FORMAT, "format_version": self.format_version, "family": self.family, "config": self.config,
+             "max_seq_len": self.max_seq_len, "dtype": self.dtype, "device_kind": self.device_kind,
+             "build": self.build, "weights_file": self.weights_file,
+             "weights": {k: vars(v) for k, v in self.weights.items()},
+             "state": {k: vars(v) for k, v in self.state.items()},
+             "methods": {k: {**vars(m), "inputs": [vars(i) for i in m.inputs]} for k, m in self.methods.items()},
+             "tokenizer": self.tokenizer, "generation": self.generation}
+        return json.dumps(d, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, where: Path) -> "Manifest":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ManifestError(f"{where} is not valid JSON ({e}); the bundle is truncated or damaged: export it again") from e
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise ManifestError(f"{where} is not an onecopy bundle manifest; export the model with `onecopy export`")
+        version = d.get("format_version")
+        if version != FORMAT_VERSION:
+            raise UnsupportedFormatVersionError(
+                f"bundle format version {version!r} is not supported (this onecopy reads version {FORMAT_VERSION}); "
+                "export the model again with this onecopy, or use the onecopy release that wrote it")
+        try:
+            methods = {k: MethodSpec(**{**m, "inputs": [InputSpec(**i) for i in m["inputs"]]})
+                       for k, m in d["methods"].items()}
+            return cls(family=d["family"], config=d["config"], max_seq_len=int(d["max_seq_len"]), dtype=d["dtype"],
+                       device_kind=d["device_kind"], methods=methods,
+                       weights={k: TensorSpec(**v) for k, v in d["weights"].items()},
+                       state={k: TensorSpec(**v) for k, v in d["state"].items()},
+                       tokenizer=d["tokenizer"], generation=d["generation"], build=d.get("build", {}),
+                       weights_file=d.get("weights_file", WEIGHTS), format_version=version)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ManifestError(f"{where} lacks or mangles a required field ({e!r}); export the bundle again") from e
+
+
+@dataclass
+class Bundle:
+    """A validated bundle: manifest plus zero-copy views of its weights (valid while `close` is not called)."""
+
+    path: Path
+    manifest: Manifest
+    weights: dict[str, torch.Tensor]  # CPU views into the mapped weight file
+    _mmap: mmap.mmap | None = None
+    _file: Any = None
+
+    def package_path(self, method: str) -> Path:
+        return self.path / self.manifest.methods[method].package
+
+    def close(self) -> None:
+        self.weights = {}
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # a view is still alive; the mapping goes with it
+            self._file.close()
+            self._mmap = self._file = None
+
+
+def read_manifest(path: Path) -> Manifest:
+    path = Path(path)
+    if not path.is_dir():
+        raise BundleNotFoundError(f"bundle directory {path} does not exist; create it with `onecopy export SOURCE --out {path}`")
+    mf = path / MANIFEST
+    if not mf.is_file():
+        raise BundleNotFoundError(f"{mf} is missing; this is not a complete bundle: export it again")
+    return Manifest.from_json(mf.read_text(errors="replace"), mf)
+
+
+def _read_safetensors(file: Path) -> tuple[dict[str, Any], mmap.mmap, Any, int]:
+    f = open(file, "rb")
+    try:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except ValueError as e:  # empty file
+        f.close()
+        raise WeightsCorruptError(f"{file} is empty; export the bundle again") from e
+    try:
+        (n,) = struct.unpack("<Q", mm[:8])
+        header = json.loads(mm[8:8 + n])
+    except Exception as e:
+        mm.close()
+        f.close()
+        raise WeightsCorruptError(f"{file} has an unreadable safetensors header ({e}); export the bundle again") from e
+    header.pop("__metadata__", None)
+    return header, mm, f, 8 + n
+
+
+def _view(buf: memoryview, spec: TensorSpec) -> torch.Tensor:
+    dtype = parse_dtype(spec.dtype)
+    if not spec.nbytes:
+        return torch.empty(spec.shape, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only mapping: we only ever copy out of it
+        return torch.frombuffer(buf, dtype=dtype).view(spec.shape)
+
+
+def read_bundle(path: str | Path, device_kind: str) -> Bundle:
+    """Validate a bundle completely (no device work): raises a BundleError subclass on any defect."""
+    path = Path(path)
+    m = read_manifest(path)
+    if m.device_kind != device_kind:
+        raise DeviceMismatchError(
+            f"bundle {path} was compiled for {m.device_kind!r} but you asked for {device_kind!r}; "
+            f"load it with device={m.device_kind!r}, or export again with --device {device_kind}")
+    for spec in m.methods.values():
+        pkg = path / spec.package
+        if not pkg.is_file():
+            raise BundleNotFoundError(f"method package {pkg} is missing; export the bundle again")
+        if sha256(pkg.read_bytes()) != spec.package_sha256:
+            raise WeightsCorruptError(f"method package {pkg} does not match its hash in the manifest; export the bundle again")
+        missing = sorted(set(spec.constants) - set(m.weights) - set(m.state))
+        if missing:
+            raise CoverageError(f"method {spec.name!r} needs constants the bundle does not provide: {missing[:5]}; "
+                                "the manifest and packages come from different exports: export again")
+        if not set(spec.state) <= set(m.state):
+            raise CoverageError(f"method {spec.name!r} mutates state the manifest does not declare; export again")
+    wfile = path / m.weights_file
+    if not wfile.is_file():
+        raise BundleNotFoundError(f"weight file {wfile} is missing; export the bundle again")
+    header, mm, f, base = _read_safetensors(wfile)
+    try:
+        weights: dict[str, torch.Tensor] = {}
+        for fqn, spec in m.weights.items():
+            entry = header.get(fqn)
+            if entry is None:
+                raise WeightSpecError(f"weight {fqn!r} is listed in the manifest but missing from {wfile.name}; export again")
+            if _ST_DTYPES.get(entry["dtype"]) != parse_dtype(spec.dtype) or list(entry["shape"]) != list(spec.shape):
+                raise WeightSpecError(
+                    f"weight {fqn!r} is {entry['dtype']}{entry['shape']} in {wfile.name} but the manifest expects "
+                    f"{spec.dtype}{spec.shape}; the files come from different exports: export again")
+            start, end = (base + o for o in entry["data_offsets"])
+            if end > len(mm) or end - start != spec.nbytes:
+                raise WeightsCorruptError(f"{wfile.name} is truncated at weight {fqn!r}; export the bundle again")
+            view = memoryview(mm)[start:end]
+            if sha256(view) != spec.sha256:
+                raise WeightsCorruptError(
+                    f"weight {fqn!r} in {wfile.name} does not match its content hash (the file is corrupt); export again")
+            weights[fqn] = _view(view, spec)
+        return Bundle(path=path, manifest=m, weights=weights, _mmap=mm, _file=f)
+    except BaseException:
+        weights.clear()
+        try:
+            mm.close()
+        except BufferError:
+            pass
+        f.close()
+        raise

@@ -1,0 +1,104 @@
+"""The `onecopy` command: run, export, info."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .errors import OnecopyError
+
+
+def _cmd_run(a: argparse.Namespace) -> int:
+    from .defaults import default_bundle
+    from .runtime.engine import Engine
+    from .sampling import SamplingParams
+
+    bundle = Path(a.bundle) if a.bundle else default_bundle(a.device)
+    params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
+                            max_new_tokens=a.max_new_tokens)
+    with Engine.load(bundle, a.device) as engine, engine.open_session() as session:
+        for piece in session.generate(a.prompt, params, chat=not a.raw):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        if a.memory:
+            print(engine.memory_report())
+    return 0
+
+
+def _cmd_export(a: argparse.Namespace) -> int:
+    from .export.exporter import export
+
+    out = export(a.source, a.out, max_seq_len=a.max_seq_len, dtype=a.dtype, device=a.device,
+                 methods=tuple(a.methods.split(",")), overwrite=a.overwrite)
+    print(f"wrote {out}")
+    return 0
+
+
+def _cmd_info(a: argparse.Namespace) -> int:
+    from .bundle import read_manifest
+
+    m = read_manifest(Path(a.bundle))
+    weight_bytes = sum(s.nbytes for s in m.weights.values())
+    state_bytes = sum(s.nbytes for s in m.state.values())
+    cfg = m.config
+    print(f"bundle        {a.bundle}  (format v{m.format_version}, built by torch {m.build.get('torch', '?')})")
+    print(f"model         {m.build.get('source', '?')}  family={m.family}  layers={cfg.get('n_layers')} "
+          f"dim={cfg.get('dim')} vocab={cfg.get('vocab_size')}")
+    print(f"device kind   {m.device_kind}  dtype={m.dtype}  max_seq_len={m.max_seq_len}")
+    for name, spec in m.methods.items():
+        shapes = ", ".join(f"{i.name}{i.shape}" for i in spec.inputs)
+        print(f"method        {name:<8} weights={spec.weights:<8} constants={len(spec.constants)} "
+              f"state={len(spec.state)}  inputs: {shapes}")
+    print(f"weights       {len(m.weights)} tensors, {weight_bytes / 2**20:,.1f} MiB (held once on the device)")
+    print(f"state         {len(m.state)} tensors, {state_bytes / 2**20:,.1f} MiB per session")
+    print(f"memory        one session needs ~{(weight_bytes + state_bytes) / 2**20:,.1f} MiB "
+          f"(weights + state), each further session {state_bytes / 2**20:,.1f} MiB")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="onecopy", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    r = sub.add_parser("run", help="generate a reply to PROMPT (default: the embedded SmolLM2-135M-Instruct)")
+    r.add_argument("prompt")
+    r.add_argument("--bundle", help="bundle directory (default: build/reuse the embedded default)")
+    r.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    r.add_argument("--max-new-tokens", type=int, default=256)
+    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    r.add_argument("--top-k", type=int, default=0)
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--seed", type=int)
+    r.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    r.add_argument("--memory", action="store_true", help="print the memory report afterwards")
+    r.set_defaults(fn=_cmd_run)
+
+    e = sub.add_parser("export", help="export SOURCE (preset, .gguf, HF checkpoint dir) into a bundle")
+    e.add_argument("source")
+    e.add_argument("--out", required=True)
+    e.add_argument("--max-seq-len", type=int, default=2048)
+    e.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    e.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    e.add_argument("--methods", default="prefill,decode")
+    e.add_argument("--overwrite", action="store_true")
+    e.set_defaults(fn=_cmd_export)
+
+    i = sub.add_parser("info", help="summarize a bundle's manifest and estimate its memory")
+    i.add_argument("bundle")
+    i.set_defaults(fn=_cmd_info)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except OnecopyError as e:
+        print(f"onecopy: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

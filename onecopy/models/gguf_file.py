@@ -1,0 +1,108 @@
+"""GGUF files (llama.cpp): dequantize with the `gguf` package into HF-named tensors, and rebuild the tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ModelSourceError
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+}
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    # llama.cpp stores q/k rows interleaved for its RoPE; undo it (same as transformers' GGUF loader).
+    d = w.shape[0] // n_head // 2
+    return w.reshape(n_head, d, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
+    """Return (HF config dict, HF-named float32 state dict, tokenizer info) of a Llama-family GGUF."""
+    try:
+        import gguf
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # gguf raises plain ValueError/struct errors on bad files
+        raise ModelSourceError(f"{path} is not a readable GGUF file ({e}); check the download") from e
+    arch = _field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise ModelSourceError(f"GGUF architecture {arch!r} is not supported; use a llama/qwen2/qwen3 GGUF")
+    g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    n_head, n_kv = g("attention.head_count"), g("attention.head_count_kv") or g("attention.head_count")
+    names = {t.name for t in reader.tensors}
+    config = {
+        "model_type": arch, "vocab_size": int(g("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))),
+        "hidden_size": g("embedding_length"), "num_hidden_layers": g("block_count"),
+        "num_attention_heads": n_head, "num_key_value_heads": n_kv, "intermediate_size": g("feed_forward_length"),
+        "head_dim": g("attention.key_length") or g("embedding_length") // n_head,
+        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(g("rope.freq_base", 10000.0)), "max_position_embeddings": g("context_length", 2048),
+        "tie_word_embeddings": "output.weight" not in names,
+    }
+    sd: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        w = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)).reshape(tuple(reversed(t.shape.tolist())))
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            kind = parts[2]
+            if kind not in _LAYER_NAMES:
+                raise ModelSourceError(f"GGUF tensor {t.name} is not understood; unsupported model variant")
+            if arch == "llama" and kind == "attn_q":
+                w = _unpermute(w, n_head)
+            elif arch == "llama" and kind == "attn_k":
+                w = _unpermute(w, n_kv)
+            sd[f"model.layers.{parts[1]}.{_LAYER_NAMES[kind]}.{parts[3]}"] = w
+        elif t.name == "token_embd.weight":
+            sd["model.embed_tokens.weight"] = w
+        elif t.name == "output_norm.weight":
+            sd["model.norm.weight"] = w
+        elif t.name == "output.weight":
+            sd["lm_head.weight"] = w
+        elif t.name != "rope_freqs.weight":
+            raise ModelSourceError(f"GGUF tensor {t.name} is not understood; unsupported model variant")
+    if arch == "qwen2":
+        config["attention_bias"] = True
+    tok = {
+        "model": _field(reader, "tokenizer.ggml.model"), "pre": _field(reader, "tokenizer.ggml.pre"),
+        "tokens": list(_field(reader, "tokenizer.ggml.tokens")),
+        "token_type": list(_field(reader, "tokenizer.ggml.token_type", [])),
+        "merges": list(_field(reader, "tokenizer.ggml.merges", [])),
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "chat_template": _field(reader, "tokenizer.chat_template"),
+    }
+    return config, sd, tok
+
+
+def tokenizer_json_from_gguf(tok: dict[str, Any]) -> str:
+    """Build a `tokenizers` JSON (byte-level BPE) from GGUF tokenizer metadata."""
+    if tok["model"] != "gpt2":
+        raise ModelSourceError(f"GGUF tokenizer model {tok['model']!r} is not supported; only byte-level BPE (gpt2)")
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(tok["tokens"])}
+    merges = [tuple(m.split(" ", 1)) for m in tok["merges"]]
+    t = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if tok.get("pre") == "smollm":  # SmolLM splits digits one by one before the GPT-2 regex
+        t.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        t.pre_tokenizer = byte_level
+    t.decoder = decoders.ByteLevel()
+    control = [i for i, ty in enumerate(tok["token_type"]) if ty in (3, 4)]  # CONTROL, USER_DEFINED
+    t.add_special_tokens([AddedToken(tok["tokens"][i], special=True, normalized=False) for i in control])
+    return json.dumps(json.loads(t.to_str()))

@@ -1,0 +1,109 @@
+"""Hugging Face checkpoint directories: config.json -> LlamaConfig, HF names -> onecopy names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from ..errors import ModelSourceError
+from .llama import LlamaConfig
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def llama_config_from_hf(c: dict[str, Any]) -> LlamaConfig:
+    """Translate a transformers config.json dict for a Llama-family model."""
+    model_type = c.get("model_type", "llama")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelSourceError(
+            f"model_type {model_type!r} is not supported; onecopy exports {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if c.get("use_sliding_window") or (model_type == "mistral" and c.get("sliding_window")):
+        raise ModelSourceError("sliding-window attention is not supported; use a checkpoint without it")
+    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    theta = c.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    if rope.get("rope_type", rope.get("type", "default")) == "default":
+        rope = {}
+    return LlamaConfig(
+        vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"],
+        n_heads=c["num_attention_heads"], n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+        intermediate_size=c["intermediate_size"], head_dim=c.get("head_dim") or 0,
+        rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=rope or None,
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2" or bool(c.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3", max_position_embeddings=c.get("max_position_embeddings", 2048))
+
+
+def hf_config_from_llama(cfg: LlamaConfig) -> dict[str, Any]:
+    """The transformers config.json of a LlamaConfig (plain Llama only: used for references and presets)."""
+    d = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "intermediate_size": cfg.intermediate_size,
+        "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.qkv_bias,
+        "max_position_embeddings": cfg.max_position_embeddings, "hidden_act": "silu",
+    }
+    if cfg.rope_scaling:
+        d["rope_scaling"] = cfg.rope_scaling
+    return d
+
+
+def hf_to_onecopy(sd: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    """Rename HF weights to onecopy FQNs, fusing q/k/v into wqkv and gate/up into w13."""
+    sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
+    used: set[str] = set()
+
+    def take(name: str) -> torch.Tensor:
+        if name not in sd:
+            raise ModelSourceError(f"checkpoint lacks tensor {name!r}; is this a {cfg.n_layers}-layer Llama-family model?")
+        used.add(name)
+        return sd[name]
+
+    out = {"tok_embeddings.weight": take("model.embed_tokens.weight")}
+    for i in range(cfg.n_layers):
+        p, a = f"model.layers.{i}.", f"layers.{i}."
+        out[a + "attention.wqkv.weight"] = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        if cfg.qkv_bias:
+            out[a + "attention.wqkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+        if cfg.qk_norm:
+            out[a + "attention.q_norm.weight"] = take(p + "self_attn.q_norm.weight")
+            out[a + "attention.k_norm.weight"] = take(p + "self_attn.k_norm.weight")
+        out[a + "attention.wo.weight"] = take(p + "self_attn.o_proj.weight")
+        out[a + "feed_forward.w13.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+        out[a + "feed_forward.w2.weight"] = take(p + "mlp.down_proj.weight")
+        out[a + "attention_norm.weight"] = take(p + "input_layernorm.weight")
+        out[a + "ffn_norm.weight"] = take(p + "post_attention_layernorm.weight")
+    out["norm.weight"] = take("model.norm.weight")
+    if not cfg.tie_embeddings:
+        out["output.weight"] = take("lm_head.weight")
+    else:
+        used.add("lm_head.weight")  # tied checkpoints sometimes store the alias too
+    extra = sorted(set(sd) - used)
+    if extra:
+        raise ModelSourceError(f"checkpoint has tensors onecopy does not map: {extra[:5]}{'...' if len(extra) > 5 else ''}")
+    return out
+
+
+def read_hf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Read config.json and every safetensors shard (sharded via model.safetensors.index.json or not)."""
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelSourceError(f"{path} has no config.json; point at a Hugging Face checkpoint directory")
+    config = json.loads(cfg_file.read_text())
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise ModelSourceError(f"{path} has no *.safetensors weights; convert .bin checkpoints to safetensors first")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        if not (path / f).is_file():
+            raise ModelSourceError(f"shard {f} named in the index is missing from {path}")
+        sd.update(load_file(str(path / f)))
+    return config, sd

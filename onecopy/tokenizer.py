@@ -1,0 +1,58 @@
+"""The bundle's tokenizer and chat template, and incremental detokenization for streaming."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .errors import InputError
+
+
+class Tokenizer:
+    """A `tokenizers` tokenizer plus the bundle's Jinja chat template."""
+
+    def __init__(self, tokenizer_json: str, chat_template: str | None = None, bos_token_id: int | None = None) -> None:
+        from tokenizers import Tokenizer as _Tok
+
+        self._tok = _Tok.from_str(tokenizer_json)
+        self.chat_template = chat_template
+        self.bos_token_id = bos_token_id
+
+    @classmethod
+    def from_file(cls, path: Path, chat_template: str | None = None, bos_token_id: int | None = None) -> "Tokenizer":
+        return cls(Path(path).read_text(), chat_template, bos_token_id)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render the template as transformers does (sandboxed Jinja, trim_blocks, lstrip_blocks)."""
+        if not self.chat_template:
+            raise InputError("this bundle has no chat template; pass raw=True (--raw) to send the prompt as is")
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt)
+
+
+class TextStream:
+    """Turns a growing list of ids into text pieces, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer, self.ids, self.emitted = tokenizer, [], ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.emitted = text[len(self.emitted):], text
+        return piece

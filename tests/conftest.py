@@ -1,0 +1,92 @@
+"""Shared fixtures: every bundle is compiled once per test session."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import onecopy
+from onecopy.models.source import ModelSource, preset_source, resolve_source
+
+TINY_MAX_SEQ_LEN = 64
+
+
+@pytest.fixture(scope="session")
+def tiny_source() -> ModelSource:
+    return preset_source("tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_source: ModelSource) -> Path:
+    out = tmp_path_factory.mktemp("bundles") / "tiny"
+    return onecopy.export(tiny_source, out, max_seq_len=TINY_MAX_SEQ_LEN, progress=False)
+
+
+@pytest.fixture(scope="session")
+def fallback_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_source: ModelSource) -> Path:
+    """prefill weightless, decode compiled the default way (carries its own weights)."""
+    out = tmp_path_factory.mktemp("bundles") / "fallback"
+    return onecopy.export(tiny_source, out, max_seq_len=TINY_MAX_SEQ_LEN, embed_weights=("decode",), progress=False)
+
+
+@pytest.fixture
+def tiny_engine(tiny_bundle: Path):
+    with onecopy.Engine.load(tiny_bundle) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def smollm2_source() -> ModelSource:
+    return resolve_source("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2_bundle(tmp_path_factory: pytest.TempPathFactory, smollm2_source: ModelSource) -> Path:
+    out = tmp_path_factory.mktemp("bundles") / "smollm2"
+    return onecopy.export(smollm2_source, out, max_seq_len=256, progress=False)
+
+
+def copy_bundle(src: Path, dst: Path) -> Path:
+    """A writable copy to damage (packages are symlinked: they are large and tests only read them)."""
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_dir():
+            shutil.copytree(f, dst / f.name)
+        else:
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def eager_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+    """Greedy tokens from an eager onecopy Transformer (prefill, then one token at a time)."""
+    out = []
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), torch.arange(len(ids)))
+        pos = len(ids)
+        for _ in range(n):
+            t = int(logits.argmax(-1))
+            out.append(t)
+            logits = model(torch.tensor([[t]]), torch.tensor([pos]))
+            pos += 1
+    return out
+
+
+def hf_greedy(source: ModelSource, ids: list[int], n: int) -> list[int]:
+    """Greedy tokens from transformers' LlamaForCausalLM on the same weights (full recompute each step)."""
+    import transformers
+
+    from onecopy.models.hf_checkpoint import hf_config_from_llama
+
+    cfg = transformers.LlamaConfig(**hf_config_from_llama(source.config))
+    cfg._attn_implementation = "eager"
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    missing, unexpected = model.load_state_dict(source.hf_state_dict, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(ids):]
