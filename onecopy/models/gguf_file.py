@@ -34,6 +34,9 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict
     """Return (HF config dict, HF-named float32 state dict, tokenizer info) of a Llama-family GGUF."""
     try:
         import gguf
+    except ImportError as e:
+        raise ModelSourceError("reading GGUF files needs the gguf package: pip install gguf") from e
+    try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # gguf raises plain ValueError/struct errors on bad files
         raise ModelSourceError(f"{path} is not a readable GGUF file ({e}); check the download") from e

@@ -94,6 +94,7 @@ def read_hf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tens
     if not cfg_file.is_file():
         raise ModelSourceError(f"{path} has no config.json; point at a Hugging Face checkpoint directory")
     config = json.loads(cfg_file.read_text())
+    llama_config_from_hf(config)  # refuse unsupported models before reading gigabytes of weights
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 import warnings
 from pathlib import Path
 
@@ -15,6 +16,17 @@ from .memory import MemoryReport, device_used
 from .method import Method
 from .session import Session
 from .weights import WeightStore
+
+
+def _release(tensors: "Iterable[torch.Tensor]") -> None:
+    """Free the memory of tensors we own even though AOTI runners still reference them.
+
+    Measured (torch 2.13): a runner given user-managed constants keeps references to them even
+    after the runner is deleted, so dropping our own references frees nothing. Shrinking the
+    storage to zero bytes returns the memory; no runner reads it again (they are rebound first).
+    """
+    for t in tensors:
+        t.untyped_storage().resize_(0)
 
 
 class Engine:
@@ -138,6 +150,7 @@ class Engine:
             self._sessions.pop(session.id, None)
             if self._bound is session:
                 self._bound = None  # runners keep stale pointers; the next run rebinds before use
+            _release(session.state.values())
             session.state = {}
 
     @property
@@ -188,6 +201,7 @@ class Engine:
             for m in self._methods.values():
                 m.close()
             self._methods.clear()
+            _release(self._store.tensors())
             self._store.clear()
             self._bound = None
             self.closed = True

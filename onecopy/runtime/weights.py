@@ -32,6 +32,9 @@ class WeightStore:
     def as_map(self, fqns: Iterable[str]) -> dict[str, torch.Tensor]:
         return {f: self.get(f) for f in fqns}
 
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self._tensors.values())
+
     def __contains__(self, fqn: str) -> bool:
         return fqn in self._hash
 
