@@ -18,8 +18,8 @@ def _cmd_run(a: argparse.Namespace) -> int:
     params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
                             max_new_tokens=a.max_new_tokens)
     with Engine.load(bundle, a.device) as engine, engine.open_session() as session:
-        for piece in session.generate(a.prompt, params, chat=not a.raw):
-            sys.stdout.write(piece)
+        for token in session.generate(a.prompt, params, chat=not a.raw):
+            sys.stdout.write(token.text)
             sys.stdout.flush()
         sys.stdout.write("\n")
         if a.memory:
@@ -55,7 +55,25 @@ def _cmd_info(a: argparse.Namespace) -> int:
     print(f"state         {len(m.state)} tensors, {state_bytes / 2**20:,.1f} MiB per session")
     print(f"memory        one session needs ~{(weight_bytes + state_bytes) / 2**20:,.1f} MiB "
           f"(weights + state), each further session {state_bytes / 2**20:,.1f} MiB")
+    if a.device_memory:
+        total = parse_size(a.device_memory)
+        reserve = max(512 * 2**20, total // 20)  # the Engine's default reserve on CUDA
+        fit = max(total - weight_bytes - reserve, 0) // max(state_bytes, 1)
+        print(f"capacity      {fit} sessions fit in {a.device_memory} "
+              f"(after {weight_bytes / 2**20:,.1f} MiB of weights and a {reserve / 2**20:,.0f} MiB reserve)")
     return 0
+
+
+def parse_size(text: str) -> int:
+    """'80GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+             "tb": 10**12, "b": 1, "": 1}
+    t = text.strip().lower()
+    num = t.rstrip("kmgtib")
+    try:
+        return int(float(num) * units[t[len(num):]])
+    except (ValueError, KeyError):
+        raise OnecopyError(f"cannot read size {text!r}; write it like 80GiB, 512MiB or 1000000") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="summarize a bundle's manifest and estimate its memory")
     i.add_argument("bundle")
+    i.add_argument("--device-memory", help="estimate how many sessions fit in this much device memory, e.g. 80GiB")
     i.set_defaults(fn=_cmd_info)
     return p
 

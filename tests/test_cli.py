@@ -21,7 +21,7 @@ def test_run_streams_the_same_tokens_as_the_api(tiny_bundle):
     import onecopy as oc
 
     with oc.Engine.load(tiny_bundle) as e:
-        want = "".join(e.open_session().generate(" hello", oc.SamplingParams(max_new_tokens=12), chat=False))
+        want = "".join(t.text for t in e.open_session().generate(" hello", oc.SamplingParams(max_new_tokens=12), chat=False))
     r = onecopy("run", "--bundle", str(tiny_bundle), "--raw", "--max-new-tokens", "12", "--memory", " hello")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(want + "\n")

@@ -14,7 +14,8 @@ from .conftest import copy_bundle
 
 def test_every_weight_is_bound_from_the_store(tiny_engine):
     with tiny_engine.open_session() as s:
-        s.prefill([1, 2, 3])  # first run binds every method
+        s.prefill([1, 2, 3])  # the first run of each method binds it
+        s.decode(torch.tensor([4]))
         store = tiny_engine.weights
         for name in tiny_engine.methods:
             m = tiny_engine.method(name)

@@ -1,24 +1,25 @@
-"""The Engine: one bundle loaded on one device, its weights held once, serving sessions."""
+"""The Engine: one bundle loaded on one device, its weights held once, serving isolated sessions."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
-from ..bundle import Manifest, parse_dtype, read_bundle
+from ..bundle import Manifest, read_bundle
 from ..errors import EngineClosedError, InputError, SessionCapacityError
 from ..tokenizer import Tokenizer
-from .memory import MemoryReport, device_used
+from .memory import MemoryReport, available_bytes, device_used
 from .method import Method
 from .session import Session
+from .state import SessionSnapshot, SessionState, state_layout
 from .weights import WeightStore
 
 
-def _release(tensors: "Iterable[torch.Tensor]") -> None:
+def _release(tensors: Iterable[torch.Tensor]) -> None:
     """Free the memory of tensors we own even though AOTI runners still reference them.
 
     Measured (torch 2.13): a runner given user-managed constants keeps references to them even
@@ -29,27 +30,41 @@ def _release(tensors: "Iterable[torch.Tensor]") -> None:
         t.untyped_storage().resize_(0)
 
 
+def default_reserve(device: torch.device) -> int:
+    """Device memory kept free for activations and workspaces when sizing session capacity."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return max(512 * 2**20, total // 20)
+    return 1 << 30
+
+
 class Engine:
     """Owns the weight store, the loaded methods and the open sessions. Create with `Engine.load`."""
 
     def __init__(self, path: Path, manifest: Manifest, device: torch.device, methods: dict[str, Method],
-                 store: WeightStore, baseline_used: int, max_sessions: int | None) -> None:
+                 store: WeightStore, baseline_used: int, max_sessions: int | None, memory_budget: int | None,
+                 reserve_bytes: int, fail_closed: str | None, undeclared_state: dict[str, torch.Tensor]) -> None:
         self.path, self.manifest, self.device = path, manifest, device
         self._methods, self._store = methods, store
         self._baseline_used = baseline_used
         self._sessions: dict[int, Session] = {}
         self._next_id = 0
-        self._bound: Session | None = None  # the session whose state the methods point at
         self._lock = threading.RLock()
         self._tokenizer: Tokenizer | None = None
-        self.max_sessions = max_sessions
+        self.max_sessions = 1 if fail_closed else max_sessions
+        self.memory_budget, self.reserve_bytes = memory_budget, reserve_bytes
+        self.fail_closed_reason = fail_closed
+        self._undeclared_state = undeclared_state  # initial values of buffers mutated but not declared
+        self.session_bytes = state_layout(manifest.state)[1]
         self.closed = False
 
     @classmethod
-    def load(cls, bundle_dir: str | Path, device: str | torch.device = "cpu", *,
-             max_sessions: int | None = None) -> "Engine":
+    def load(cls, bundle_dir: str | Path, device: str | torch.device = "cpu", *, max_sessions: int | None = None,
+             memory_budget: int | None = None, reserve_bytes: int | None = None) -> "Engine":
         """Validate the whole bundle, then load each method and each needed weight once.
 
+        ``max_sessions`` caps open sessions; ``memory_budget`` (bytes) bounds session state (on
+        CPU; default: available memory); ``reserve_bytes`` is kept free when sizing capacity.
         Raises a BundleError subclass (and holds nothing) if any check fails.
         """
         dev = torch.device(device)
@@ -59,23 +74,38 @@ class Engine:
             if dev.index is None:
                 dev = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.init()
+        if max_sessions is not None and max_sessions < 1:
+            raise InputError(f"max_sessions must be >= 1, got {max_sessions}")
         baseline = device_used(dev)
         bundle = read_bundle(Path(bundle_dir), dev.type)
+        manifest = bundle.manifest
+        declared = set(manifest.state)
+        mutated = {f for spec in manifest.methods.values() for f in spec.state}
+        fail_closed = None
+        if mutated != declared:
+            fail_closed = (f"the manifest's state {sorted(declared - mutated)[:3]} / methods' mutations "
+                           f"{sorted(mutated - declared)[:3]} differ, so sessions could share state: capacity is 1. "
+                           "Re-export the bundle with onecopy to serve several sessions")
         methods: dict[str, Method] = {}
         store = WeightStore(dev)
         try:
-            for name, spec in bundle.manifest.methods.items():
-                methods[name] = Method(spec, bundle.package_path(name), dev)
+            for name, spec in manifest.methods.items():
+                methods[name] = Method(spec, bundle.package_path(name), dev, declared)
             needed = {f for m in methods.values() if not m.embeds_weights for f in m.weight_fqns}
             store.load(bundle, needed)
+            undeclared = {f: bundle.weights[f].clone() for f in mutated - declared if f in bundle.weights}
         except BaseException:
             for m in methods.values():
                 m.close()
+            _release(store.tensors())
             store.clear()
             raise
         finally:
             bundle.close()
-        engine = cls(Path(bundle_dir), bundle.manifest, dev, methods, store, baseline, max_sessions)
+        engine = cls(Path(bundle_dir), manifest, dev, methods, store, baseline, max_sessions, memory_budget,
+                     default_reserve(dev) if reserve_bytes is None else reserve_bytes, fail_closed, undeclared)
+        if fail_closed:
+            warnings.warn(f"bundle {bundle_dir}: {fail_closed}", stacklevel=2)
         if any(m.embeds_weights for m in methods.values()):
             warnings.warn(f"bundle {bundle_dir} has methods that carry their own weights "
                           f"({engine.memory_report().duplicated_weight_bytes} duplicated bytes); "
@@ -85,6 +115,7 @@ class Engine:
     # -- introspection -------------------------------------------------------------------------
     @property
     def methods(self) -> list[str]:
+        """Names of the loaded methods."""
         return list(self._methods)
 
     def method(self, name: str) -> Method:
@@ -122,6 +153,7 @@ class Engine:
 
     @property
     def state_bytes_per_session(self) -> int:
+        """Sum of the state tensors' bytes one session owns."""
         return sum(s.nbytes for s in self.manifest.state.values())
 
     # -- sessions ------------------------------------------------------------------------------
@@ -129,29 +161,73 @@ class Engine:
         if self.closed:
             raise EngineClosedError("this Engine is closed; load the bundle again with Engine.load")
 
-    def open_session(self) -> Session:
-        """Allocate a session's state now (so an out-of-memory error surfaces here, not mid-request)."""
+    def _free_for_sessions(self) -> int:
+        """Bytes that new session state may still take, after the reserve."""
+        if self.memory_budget is not None:
+            return self.memory_budget - sum(s._state.nbytes for s in self._sessions.values())
+        free = available_bytes(self.device)
+        if self.device.type == "cuda":  # memory torch has cached but not handed out is free for us too
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return free - self.reserve_bytes
+
+    def capacity(self) -> int:
+        """How many more sessions can be opened now (free memory after the reserve, and max_sessions)."""
         with self._lock:
             self._check_open()
-            if self.max_sessions is not None and len(self._sessions) >= self.max_sessions:
-                raise SessionCapacityError(
-                    f"{len(self._sessions)} sessions are open (max_sessions={self.max_sessions}); one more needs "
-                    f"{self.state_bytes_per_session} bytes of state. Close a session or load with a larger max_sessions")
-            state = {k: torch.zeros(s.shape, dtype=parse_dtype(s.dtype), device=self.device)
-                     for k, s in self.manifest.state.items()}
+            n = max(self._free_for_sessions(), 0) // max(self.session_bytes, 1)
+            if self.max_sessions is not None:
+                n = min(n, self.max_sessions - len(self._sessions))
+            return max(n, 0)
+
+    def open_session(self, restore: SessionSnapshot | str | Path | None = None) -> Session:
+        """Open a session, its state allocated now (a memory error surfaces here, not mid-request).
+
+        ``restore`` (a snapshot or a file written by `Session.save`) continues that conversation.
+        Raises SessionCapacityError when no room is left.
+        """
+        snap = SessionSnapshot.load(restore) if isinstance(restore, (str, Path)) else restore
+        with self._lock:
+            self._check_open()
+            if self.capacity() < 1:
+                raise self._capacity_error()
+            try:
+                state = SessionState(self.manifest.state, self.device)
+            except torch.OutOfMemoryError as e:
+                raise self._capacity_error() from e
             session = Session(self, self._next_id, state)
-            self._sessions[session.id] = session
             self._next_id += 1
+            if snap is not None:
+                try:
+                    session._restore(snap)
+                except BaseException:
+                    state.release()
+                    raise
+            self._sessions[session.id] = session
+            self._reset_undeclared_state()
             return session
+
+    def _capacity_error(self) -> SessionCapacityError:
+        why = (f"max_sessions={self.max_sessions}" if self.max_sessions is not None
+               and len(self._sessions) >= self.max_sessions else
+               f"only {max(self._free_for_sessions(), 0)} bytes are free for state after a {self.reserve_bytes}-byte reserve")
+        extra = f" ({self.fail_closed_reason})" if self.fail_closed_reason else ""
+        return SessionCapacityError(
+            f"cannot open another session: {len(self._sessions)} sessions are open, one more needs "
+            f"{self.session_bytes} bytes of state, and {why}{extra}. Close a session, export with a smaller "
+            "--max-seq-len, or load with a larger max_sessions/memory_budget")
+
+    def _reset_undeclared_state(self) -> None:
+        # Fail-closed bundles keep undeclared mutable buffers in the store: give each session a fresh copy.
+        for fqn, init in self._undeclared_state.items():
+            self._store.get(fqn).copy_(init)
 
     def _close_session(self, session: Session) -> None:
         with self._lock:
             session.closed = True
             self._sessions.pop(session.id, None)
-            if self._bound is session:
-                self._bound = None  # runners keep stale pointers; the next run rebinds before use
-            _release(session.state.values())
-            session.state = {}
+            session._state.release()  # runners still pointing here are rebound before their next run
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     @property
     def sessions_open(self) -> int:
@@ -162,17 +238,16 @@ class Engine:
         method.check_inputs(inputs)
         with self._lock:
             self._check_open()
-            if self._bound is not session:
-                # Re-point every method at this session's state only when the session changes.
-                for m in self._methods.values():
-                    m.bind(self._store.as_map(m.weight_fqns) if not m.embeds_weights else {}, session.state)
-                self._bound = session
+            if method.bound_session != session.id:
+                # Re-point this method at the session's state only when another session ran it last.
+                method.bind(self._store.as_map(method.weight_fqns) if not method.embeds_weights else {}, session.state)
+                method.bound_session = session.id
             with torch.inference_mode():
                 return method(*inputs)
 
     # -- accounting ----------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:
-        """Weights (unique, resident, duplicated), state and device-level use of this Engine."""
+        """Weights (unique, resident, duplicated), session state and device-level use of this Engine."""
         self._check_open()
         weights = self.manifest.weights
         needed = {f for m in self._methods.values() for f in m.weight_fqns}
@@ -183,16 +258,19 @@ class Engine:
         if embedded:
             names = [m.name for m in self._methods.values() if m.embeds_weights]
             notes.append(f"methods {names} carry their own weights (fallback path): re-export to share one copy")
-        state = sum(s.state_bytes for s in self._sessions.values())
+        if self.fail_closed_reason:
+            notes.append(self.fail_closed_reason)
         used = device_used(self.device)
         return MemoryReport(device=str(self.device), unique_weight_bytes=unique, resident_weight_bytes=resident,
-                            duplicated_weight_bytes=resident - unique, state_bytes=state,
+                            duplicated_weight_bytes=resident - unique,
+                            state_bytes=sum(s.state_bytes for s in self._sessions.values()),
                             sessions_open=len(self._sessions), state_bytes_per_session=self.state_bytes_per_session,
-                            device_used_bytes=used - self._baseline_used, device_total_used_bytes=used, notes=notes)
+                            device_used_bytes=used - self._baseline_used, device_total_used_bytes=used,
+                            capacity=self.capacity(), notes=notes)
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Free sessions, methods and weights. Idempotent."""
+        """Free sessions, methods and weights (device memory back to where it was). Idempotent."""
         with self._lock:
             if self.closed:
                 return
@@ -203,7 +281,6 @@ class Engine:
             self._methods.clear()
             _release(self._store.tensors())
             self._store.clear()
-            self._bound = None
             self.closed = True
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -214,3 +291,4 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+

@@ -6,6 +6,7 @@ device figure comes from cudaMemGetInfo; on CPU it is the process's resident set
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -18,14 +19,18 @@ def device_used(device: torch.device) -> int:
         free, total = torch.cuda.mem_get_info(device)
         return total - free
     with open("/proc/self/statm") as f:
-        import os
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def device_free(device: torch.device) -> int | None:
+def available_bytes(device: torch.device) -> int:
+    """Free device memory (CUDA), or the host's MemAvailable (CPU)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    return None
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable")
 
 
 def _mib(n: int | None) -> str:
@@ -45,6 +50,7 @@ class MemoryReport:
     state_bytes_per_session: int
     device_used_bytes: int  # growth of device use since just before the Engine loaded (device-level)
     device_total_used_bytes: int  # device use now, whoever holds it
+    capacity: int  # sessions that can still be opened
     notes: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
@@ -56,6 +62,7 @@ class MemoryReport:
             ("sessions open", str(self.sessions_open)),
             ("state per session", _mib(self.state_bytes_per_session)),
             ("state (all sessions)", _mib(self.state_bytes)),
+            ("sessions that still fit", str(self.capacity)),
             ("device used by engine", _mib(self.device_used_bytes)),
             ("device used (total)", _mib(self.device_total_used_bytes)),
         ]

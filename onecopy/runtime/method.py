@@ -15,15 +15,19 @@ from ..export.toolchain import check_package_loadable
 class Method:
     """A loaded package. Weightless packages get every constant from outside (user-managed)."""
 
-    def __init__(self, spec: MethodSpec, package: Path, device: torch.device) -> None:
+    def __init__(self, spec: MethodSpec, package: Path, device: torch.device, state_fqns: set[str]) -> None:
+        """Load ``package``; ``state_fqns`` are the bundle's declared per-session state FQNs."""
         check_package_loadable(package)
         self.spec, self.device = spec, device
+        self.state_fqns = [c for c in spec.constants if c in state_fqns]
+        self.weight_fqns = [c for c in spec.constants if c not in state_fqns]
+        self.bound_session: int | None = None  # id of the session whose state the runner points at
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self._compiled = torch._inductor.aoti_load_package(str(package))
         found, declared = set(self._compiled.get_constant_fqns()), set(spec.constants)
         # A package with its own constants may fold some away; it must still expose its state to rebind.
-        ok = found == declared if spec.weights == "external" else (set(spec.state) <= found <= declared)
+        ok = found == declared if spec.weights == "external" else (set(self.state_fqns) <= found <= declared)
         if not ok:
             self.close()
             raise CoverageError(
@@ -41,14 +45,9 @@ class Method:
     def embeds_weights(self) -> bool:
         return self.spec.weights == "embedded"
 
-    @property
-    def weight_fqns(self) -> list[str]:
-        state = set(self.spec.state)
-        return [c for c in self.spec.constants if c not in state]
-
     def bind(self, weights: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
         """Point the runner at ``state`` (and, the first time, at the shared ``weights``)."""
-        state = {k: state[k] for k in self.spec.state}
+        state = {k: state[k] for k in self.state_fqns}
         if self.embeds_weights:
             self._compiled.load_constants(state, check_full_update=False, user_managed=True)
         elif not self.weights_bound:

@@ -1,51 +1,69 @@
-"""A session: one conversation's own state tensors on the device, run through the shared methods."""
+"""A session: one conversation's own state on the device, run through the engine's shared methods."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import InputError, PromptTooLongError, SessionClosedError
 from ..sampling import Sampler, SamplingParams
+from .state import SessionSnapshot, SessionState
 
 if TYPE_CHECKING:
     from .engine import Engine
 
 
-class Session:
-    """Owns exactly one copy of the model's mutable state. Use as a context manager or call close()."""
+@dataclass(frozen=True)
+class Token:
+    """One generated token: its id and the text it completes (may be "" mid UTF-8 sequence)."""
 
-    def __init__(self, engine: "Engine", session_id: int, state: dict[str, torch.Tensor]) -> None:
-        self.engine, self.id, self.state = engine, session_id, state
+    id: int
+    text: str
+
+
+class Session:
+    """Owns exactly one copy of the model's mutable state. Use as a context manager or call close().
+
+    Create with `Engine.open_session`. Methods of one session may be called from any thread; the
+    engine serializes calls and re-points the compiled methods when another session ran last.
+    """
+
+    def __init__(self, engine: "Engine", session_id: int, state: SessionState) -> None:
+        self.engine, self.id, self._state = engine, session_id, state
         self.position = 0  # tokens already in the state (next write position)
         self.closed = False
 
     @property
+    def state(self) -> dict[str, torch.Tensor]:
+        """This session's state tensors by FQN (views of one device buffer)."""
+        return self._state.tensors
+
+    @property
     def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.state.values())
+        """Sum of this session's state tensor bytes."""
+        return sum(t.numel() * t.element_size() for t in self._state.tensors.values())
 
     def _check_open(self) -> None:
         if self.closed:
             raise SessionClosedError(f"session {self.id} is closed; open a new one with engine.open_session()")
 
+    # -- running methods -----------------------------------------------------------------------
     def run(self, method: str, *inputs: torch.Tensor) -> torch.Tensor:
         """Run a method against this session's state; the output stays on the device."""
         self._check_open()
         return self.engine._run(self, method, inputs)
 
-    def reset(self) -> None:
-        """Start a new conversation in this session (state zeroed, position 0)."""
-        self._check_open()
-        with self.engine._lock:
-            for t in self.state.values():
-                t.zero_()
-            self.position = 0
+    def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        """Feed ``ids`` after what the session already holds; returns the last position's logits.
 
-    def prefill(self, ids: list[int]) -> torch.Tensor:
-        """Feed ``ids`` after what the session already holds; returns the last position's logits."""
+        Raises PromptTooLongError before any method runs if the ids do not fit in max_seq_len.
+        """
         self._check_open()
+        ids = list(ids)
         if not ids:
             raise InputError("prompt is empty; give at least one token")
         limit = self.engine.max_seq_len
@@ -76,8 +94,9 @@ class Session:
         self.position += 1
         return logits
 
-    def generate_ids(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                     stop_ids: list[int] | None = None) -> Iterator[int]:
+    # -- generation ----------------------------------------------------------------------------
+    def generate_ids(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
+                     stop_ids: Sequence[int] | None = None) -> Iterator[int]:
         """Stream new token ids: prefill ``prompt_ids``, then sample and decode until eos or a limit."""
         params = params or SamplingParams()
         stop = set(self.engine.eos_token_ids if stop_ids is None else stop_ids)
@@ -91,20 +110,60 @@ class Session:
                 return
             logits = self.decode(token)
 
-    def generate(self, prompt: str, params: SamplingParams | None = None, *, chat: bool = True) -> Iterator[str]:
-        """Stream text for ``prompt`` (rendered with the chat template unless ``chat=False``)."""
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                 chat: bool = True) -> Iterator[Token]:
+        """Stream tokens for a text prompt (rendered with the chat template unless ``chat=False``) or token ids."""
         from ..tokenizer import TextStream
 
         tok = self.engine.tokenizer
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+        if isinstance(prompt, str):
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+            ids = tok.encode(text)
+        else:
+            ids = list(prompt)
         stream = TextStream(tok)
-        for token_id in self.generate_ids(tok.encode(text), params):
-            piece = stream.push(token_id)
-            if piece:
-                yield piece
+        for token_id in self.generate_ids(ids, params):
+            yield Token(token_id, stream.push(token_id))
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Start a new conversation in this session (state zeroed, position 0)."""
+        self._check_open()
+        with self.engine._lock:
+            self._state.zero_()
+            self.position = 0
+
+    def snapshot(self) -> SessionSnapshot:
+        """Copy state and position to host memory."""
+        self._check_open()
+        with self.engine._lock:
+            state = {k: v.detach().to("cpu", copy=True) for k, v in self.state.items()}
+            return SessionSnapshot(state=state, position=self.position, fingerprint=self.engine.manifest.fingerprint())
+
+    def save(self, path: str | Path) -> None:
+        """Write a snapshot to a safetensors file; `Engine.open_session(restore=path)` resumes it."""
+        self.snapshot().save(path)
+
+    def _restore(self, snap: SessionSnapshot) -> None:
+        m = self.engine.manifest
+        if snap.fingerprint != m.fingerprint():
+            raise InputError("the snapshot belongs to another model or export (fingerprint differs); "
+                             "restore it into an Engine loaded from the same bundle")
+        if set(snap.state) != set(self.state):
+            raise InputError(f"the snapshot holds state {sorted(set(snap.state) ^ set(self.state))[:4]} that this "
+                             "bundle does not declare; restore it into the bundle it came from")
+        for k, t in self.state.items():
+            src = snap.state[k]
+            if src.shape != t.shape or src.dtype != t.dtype:
+                raise InputError(f"snapshot state {k!r} is {src.dtype}{list(src.shape)}, expected {t.dtype}{list(t.shape)}")
+        if not 0 <= snap.position <= self.engine.max_seq_len:
+            raise InputError(f"snapshot position {snap.position} is outside 0..{self.engine.max_seq_len}")
+        for k, t in self.state.items():
+            t.copy_(snap.state[k])
+        self.position = snap.position
 
     def close(self) -> None:
-        """Free this session's state; further use raises SessionClosedError."""
+        """Free this session's state; further use raises SessionClosedError. Idempotent."""
         if not self.closed:
             self.engine._close_session(self)
 
