@@ -13,10 +13,12 @@ from ..bundle import Manifest, read_bundle
 from ..errors import EngineClosedError, InputError, SessionCapacityError
 from ..tokenizer import Tokenizer
 from .memory import MemoryReport, available_bytes, device_used
+from .graphs import GraphSlot
 from .method import Method
 from .session import Session
 from .state import SessionSnapshot, SessionState, state_layout
 from .weights import WeightStore
+from .workspace import Workspace
 
 
 def _release(tensors: Iterable[torch.Tensor]) -> None:
@@ -43,7 +45,8 @@ class Engine:
 
     def __init__(self, path: Path, manifest: Manifest, device: torch.device, methods: dict[str, Method],
                  store: WeightStore, baseline_used: int, max_sessions: int | None, memory_budget: int | None,
-                 reserve_bytes: int, fail_closed: str | None, undeclared_state: dict[str, torch.Tensor]) -> None:
+                 reserve_bytes: int, fail_closed: str | None, undeclared_state: dict[str, torch.Tensor],
+                 cuda_graphs: bool) -> None:
         self.path, self.manifest, self.device = path, manifest, device
         self._methods, self._store = methods, store
         self._baseline_used = baseline_used
@@ -57,15 +60,24 @@ class Engine:
         self._undeclared_state = undeclared_state  # initial values of buffers mutated but not declared
         self.session_bytes = state_layout(manifest.state)[1]
         self.closed = False
+        # CUDA graphs: slots (state + captured decode) handed to sessions, all graphs in one pool.
+        self.cuda_graphs = cuda_graphs
+        self.workspace = Workspace()
+        self._slots: list[GraphSlot] = []
+        self._free_slots: list[GraphSlot] = []
+        self._pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
+        self._warmup_stream = torch.cuda.Stream(device) if cuda_graphs else None
 
     @classmethod
     def load(cls, bundle_dir: str | Path, device: str | torch.device = "cpu", *, max_sessions: int | None = None,
-             memory_budget: int | None = None, reserve_bytes: int | None = None) -> "Engine":
+             memory_budget: int | None = None, reserve_bytes: int | None = None,
+             cuda_graphs: bool | None = None) -> "Engine":
         """Validate the whole bundle, then load each method and each needed weight once.
 
         ``max_sessions`` caps open sessions; ``memory_budget`` (bytes) bounds session state (on
         CPU; default: available memory); ``reserve_bytes`` is kept free when sizing capacity.
-        Raises a BundleError subclass (and holds nothing) if any check fails.
+        ``cuda_graphs`` (default: on for CUDA, off on CPU) replays decode from a graph captured per
+        session slot. Raises a BundleError subclass (and holds nothing) if any check fails.
         """
         dev = torch.device(device)
         if dev.type == "cuda":
@@ -74,6 +86,8 @@ class Engine:
             if dev.index is None:
                 dev = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.init()
+        if cuda_graphs and dev.type != "cuda":
+            raise InputError("cuda_graphs=True needs a CUDA device; load with device='cuda' or cuda_graphs=False")
         if max_sessions is not None and max_sessions < 1:
             raise InputError(f"max_sessions must be >= 1, got {max_sessions}")
         baseline = device_used(dev)
@@ -102,8 +116,17 @@ class Engine:
             raise
         finally:
             bundle.close()
+        use_graphs = dev.type == "cuda" and "decode" in methods and not methods["decode"].embeds_weights \
+            and not fail_closed if cuda_graphs is None else bool(cuda_graphs)
         engine = cls(Path(bundle_dir), manifest, dev, methods, store, baseline, max_sessions, memory_budget,
-                     default_reserve(dev) if reserve_bytes is None else reserve_bytes, fail_closed, undeclared)
+                     default_reserve(dev) if reserve_bytes is None else reserve_bytes, fail_closed, undeclared,
+                     use_graphs)
+        if use_graphs:
+            try:  # the first slot is captured now, so its measured cost sizes capacity from the start
+                engine._free_slots.append(engine._new_slot())
+            except BaseException:
+                engine.close()
+                raise
         if fail_closed:
             warnings.warn(f"bundle {bundle_dir}: {fail_closed}", stacklevel=2)
         if any(m.embeds_weights for m in methods.values()):
@@ -170,11 +193,18 @@ class Engine:
             free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         return free - self.reserve_bytes
 
+    @property
+    def bytes_per_new_session(self) -> int:
+        """Device bytes one more session takes: its state, plus a runner and graph when graphs are on."""
+        if self.cuda_graphs and self._slots:
+            return max(s.device_bytes for s in self._slots)
+        return self.session_bytes
+
     def capacity(self) -> int:
         """How many more sessions can be opened now (free memory after the reserve, and max_sessions)."""
         with self._lock:
             self._check_open()
-            n = max(self._free_for_sessions(), 0) // max(self.session_bytes, 1)
+            n = len(self._free_slots) + max(self._free_for_sessions(), 0) // max(self.bytes_per_new_session, 1)
             if self.max_sessions is not None:
                 n = min(n, self.max_sessions - len(self._sessions))
             return max(n, 0)
@@ -190,17 +220,23 @@ class Engine:
             self._check_open()
             if self.capacity() < 1:
                 raise self._capacity_error()
+            slot = None
             try:
-                state = SessionState(self.manifest.state, self.device)
+                if self.cuda_graphs:
+                    slot = self._free_slots.pop() if self._free_slots else self._new_slot()
+                    state = slot.state
+                else:
+                    state = SessionState(self.manifest.state, self.device)
             except torch.OutOfMemoryError as e:
                 raise self._capacity_error() from e
             session = Session(self, self._next_id, state)
+            session._slot = slot
             self._next_id += 1
             if snap is not None:
                 try:
                     session._restore(snap)
                 except BaseException:
-                    state.release()
+                    self._give_back(session)
                     raise
             self._sessions[session.id] = session
             self._reset_undeclared_state()
@@ -213,7 +249,7 @@ class Engine:
         extra = f" ({self.fail_closed_reason})" if self.fail_closed_reason else ""
         return SessionCapacityError(
             f"cannot open another session: {len(self._sessions)} sessions are open, one more needs "
-            f"{self.session_bytes} bytes of state, and {why}{extra}. Close a session, export with a smaller "
+            f"{self.bytes_per_new_session} bytes of state, and {why}{extra}. Close a session, export with a smaller "
             "--max-seq-len, or load with a larger max_sessions/memory_budget")
 
     def _reset_undeclared_state(self) -> None:
@@ -221,23 +257,43 @@ class Engine:
         for fqn, init in self._undeclared_state.items():
             self._store.get(fqn).copy_(init)
 
+    def _new_slot(self) -> GraphSlot:
+        decode = self._methods["decode"]
+        slot = GraphSlot(len(self._slots), decode.spec, self.path / decode.spec.package, self.device,
+                         set(self.manifest.state), self._store.as_map(decode.weight_fqns), self.manifest.state,
+                         self.workspace, self._pool, self._warmup_stream)
+        self._slots.append(slot)
+        return slot
+
+    def _give_back(self, session: Session) -> None:
+        """Return a session's memory: its slot to the free list (graphs) or its state to the device."""
+        if session._slot is not None:
+            session._slot.state.zero_()
+            self._free_slots.append(session._slot)
+            session._slot = None
+        else:
+            session._state.release()  # runners still pointing here are rebound before their next run
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
     def _close_session(self, session: Session) -> None:
         with self._lock:
             session.closed = True
             self._sessions.pop(session.id, None)
-            session._state.release()  # runners still pointing here are rebound before their next run
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            self._give_back(session)
 
     @property
     def sessions_open(self) -> int:
         return len(self._sessions)
 
-    def _run(self, session: Session, name: str, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def _run(self, session: Session, name: str, inputs: tuple[torch.Tensor, ...], own_output: bool = True) -> torch.Tensor:
         method = self.method(name)
         method.check_inputs(inputs)
         with self._lock:
             self._check_open()
+            if name == "decode" and session._slot is not None:
+                out = session._slot.replay(*inputs)
+                return out.clone() if own_output else out
             if method.bound_session != session.id:
                 # Re-point this method at the session's state only when another session ran it last.
                 method.bind(self._store.as_map(method.weight_fqns) if not method.embeds_weights else {}, session.state)
@@ -266,7 +322,9 @@ class Engine:
                             state_bytes=sum(s.state_bytes for s in self._sessions.values()),
                             sessions_open=len(self._sessions), state_bytes_per_session=self.state_bytes_per_session,
                             device_used_bytes=used - self._baseline_used, device_total_used_bytes=used,
-                            capacity=self.capacity(), notes=notes)
+                            capacity=self.capacity(), graph_slots=len(self._slots), free_graph_slots=len(self._free_slots),
+                            graph_bytes=sum(s.overhead_bytes for s in self._slots), workspace_bytes=self.workspace.nbytes,
+                            notes=notes)
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
@@ -276,6 +334,14 @@ class Engine:
                 return
             for s in list(self._sessions.values()):
                 self._close_session(s)
+            if self._slots:
+                torch.cuda.synchronize(self.device)
+            for slot in self._slots:
+                slot.release()
+            self._slots.clear()
+            self._free_slots.clear()
+            self.workspace.clear()
+            self._pool = self._warmup_stream = None
             for m in self._methods.values():
                 m.close()
             self._methods.clear()
@@ -284,6 +350,10 @@ class Engine:
             self.closed = True
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            # cuBLAS keeps a workspace per stream it ran on (graph warm-up and capture streams included).
+            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear_workspaces is not None:
+                clear_workspaces()
             torch.cuda.empty_cache()
 
     def __enter__(self) -> "Engine":

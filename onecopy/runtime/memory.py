@@ -51,6 +51,10 @@ class MemoryReport:
     device_used_bytes: int  # growth of device use since just before the Engine loaded (device-level)
     device_total_used_bytes: int  # device use now, whoever holds it
     capacity: int  # sessions that can still be opened
+    graph_slots: int = 0  # captured decode graphs (one per session slot)
+    free_graph_slots: int = 0
+    graph_bytes: int = 0  # device bytes the slots cost beyond their state (runners + graphs)
+    workspace_bytes: int = 0  # named static buffers
     notes: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
@@ -63,6 +67,9 @@ class MemoryReport:
             ("state per session", _mib(self.state_bytes_per_session)),
             ("state (all sessions)", _mib(self.state_bytes)),
             ("sessions that still fit", str(self.capacity)),
+            ("graph slots (free)", f"{self.graph_slots} ({self.free_graph_slots})"),
+            ("graphs + runners", _mib(self.graph_bytes)),
+            ("workspace", _mib(self.workspace_bytes)),
             ("device used by engine", _mib(self.device_used_bytes)),
             ("device used (total)", _mib(self.device_total_used_bytes)),
         ]

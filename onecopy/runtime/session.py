@@ -36,6 +36,7 @@ class Session:
         self.engine, self.id, self._state = engine, session_id, state
         self.position = 0  # tokens already in the state (next write position)
         self.closed = False
+        self._slot = None  # the GraphSlot this session borrows when the engine uses CUDA graphs
 
     @property
     def state(self) -> dict[str, torch.Tensor]:
@@ -85,12 +86,17 @@ class Session:
         return logits
 
     def decode(self, token: torch.Tensor) -> torch.Tensor:
-        """Feed one token given as a device tensor (no host round trip); returns logits [1, vocab]."""
+        """Feed one token given as a device tensor (no host round trip); returns logits [1, vocab].
+
+        With CUDA graphs the logits are the slot's static output buffer, overwritten by this
+        session's next decode: clone them to keep them longer.
+        """
         self._check_open()
         if self.position >= self.engine.max_seq_len:
             raise PromptTooLongError(f"session {self.id} is full (max_seq_len={self.engine.max_seq_len}); reset it")
         pos = torch.full((1,), self.position, dtype=torch.long, device=self.engine.device)
-        logits = self.run("decode", token.view(1, 1), pos)
+        # The logits may be a graph's static output: valid until this session's next decode.
+        logits = self.engine._run(self, "decode", (token.view(1, 1), pos), own_output=False)
         self.position += 1
         return logits
 
