@@ -109,7 +109,7 @@ def compile_peer(source, max_seq_len: int, n_sessions: int, prompt: list[int], d
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--source", default="llama-8l-2048")
-    ap.add_argument("--bundle", help="reuse an exported CUDA bundle instead of exporting")
+    ap.add_argument("--bundle", help="bundle directory: reused if it exists, else exported there")
     ap.add_argument("--max-seq-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode_cuda.json"))
@@ -119,7 +119,7 @@ def main() -> None:
                  "torch": torch.__version__}
     prompt = list(range(1, 17))
     bundle = Path(a.bundle) if a.bundle else Path("/tmp/onecopy-bench") / f"{a.source}-decode"
-    if not a.bundle:
+    if not (bundle / "manifest.json").is_file():
         t0 = time.perf_counter()
         onecopy.export(a.source, bundle, max_seq_len=a.max_seq_len, device="cuda", overwrite=True, progress=False)
         res["export_s"] = round(time.perf_counter() - t0, 1)
