@@ -27,11 +27,23 @@ def _cmd_run(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_transcribe(a: argparse.Namespace) -> int:
+    from .defaults import default_bundle
+    from .models.source import EMBEDDED_WHISPER
+    from .runtime.engine import Engine
+    from .transcribe import transcribe_file
+
+    bundle = Path(a.bundle) if a.bundle else default_bundle(a.device, model=EMBEDDED_WHISPER)
+    with Engine.load(bundle, a.device) as engine:
+        print(transcribe_file(engine, a.file, a.max_new_tokens).text)
+    return 0
+
+
 def _cmd_export(a: argparse.Namespace) -> int:
     from .export.exporter import export
 
     out = export(a.source, a.out, max_seq_len=a.max_seq_len, dtype=a.dtype, device=a.device,
-                 methods=tuple(a.methods.split(",")), overwrite=a.overwrite)
+                 methods=tuple(a.methods.split(",")) if a.methods else None, overwrite=a.overwrite)
     print(f"wrote {out}")
     return 0
 
@@ -44,8 +56,9 @@ def _cmd_info(a: argparse.Namespace) -> int:
     state_bytes = sum(s.nbytes for s in m.state.values())
     cfg = m.config
     print(f"bundle        {a.bundle}  (format v{m.format_version}, built by torch {m.build.get('torch', '?')})")
-    print(f"model         {m.build.get('source', '?')}  family={m.family}  layers={cfg.get('n_layers')} "
-          f"dim={cfg.get('dim')} vocab={cfg.get('vocab_size')}")
+    shape = " ".join(f"{k}={cfg[k]}" for k in ("n_layers", "dim", "encoder_layers", "decoder_layers", "d_model",
+                                                "vocab_size") if k in cfg)
+    print(f"model         {m.build.get('source', '?')}  family={m.family}  {shape}")
     print(f"device kind   {m.device_kind}  dtype={m.dtype}  max_seq_len={m.max_seq_len}")
     for name, spec in m.methods.items():
         shapes = ", ".join(f"{i.name}{i.shape}" for i in spec.inputs)
@@ -96,12 +109,19 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="export SOURCE (preset, .gguf, HF checkpoint dir) into a bundle")
     e.add_argument("source")
     e.add_argument("--out", required=True)
-    e.add_argument("--max-seq-len", type=int, default=2048)
+    e.add_argument("--max-seq-len", type=int, help="context length (default: 2048 for LLMs, 448 for Whisper)")
     e.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     e.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    e.add_argument("--methods", default="prefill,decode")
+    e.add_argument("--methods", help="comma-separated (default: all of the family's: prefill,decode or encoder,decoder)")
     e.add_argument("--overwrite", action="store_true")
     e.set_defaults(fn=_cmd_export)
+
+    t = sub.add_parser("transcribe", help="transcribe a WAV file (default: the embedded Whisper tiny.en)")
+    t.add_argument("file")
+    t.add_argument("--bundle", help="Whisper bundle directory (default: build/reuse the embedded tiny.en)")
+    t.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    t.add_argument("--max-new-tokens", type=int, help="per 30 s window")
+    t.set_defaults(fn=_cmd_transcribe)
 
     i = sub.add_parser("info", help="summarize a bundle's manifest and estimate its memory")
     i.add_argument("bundle")

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import torch
 
 from .bundle import FORMAT_VERSION, read_manifest
 from .errors import BundleError
-from .models.source import EMBEDDED_DEFAULT
+from .models.source import EMBEDDED_DEFAULT, EMBEDDED_WHISPER
 
 DEFAULT_MAX_SEQ_LEN = 2048
+WHISPER_MAX_SEQ_LEN = 448  # Whisper's decoder positions
 
 
 def cache_dir() -> Path:
@@ -22,12 +24,13 @@ def cache_dir() -> Path:
     return base / "onecopy"
 
 
-def default_bundle(device: str = "cpu", progress: bool = True) -> Path:
-    """Path of the embedded default bundle for ``device``, exporting it on first use."""
+def default_bundle(device: str = "cpu", progress: bool = True, model: str = EMBEDDED_DEFAULT) -> Path:
+    """Path of an embedded model's bundle for ``device``, exporting it on first use."""
     from .export.exporter import export
 
+    max_seq_len = WHISPER_MAX_SEQ_LEN if model == EMBEDDED_WHISPER else DEFAULT_MAX_SEQ_LEN
     torch_tag = torch.__version__.split("+")[0]
-    path = cache_dir() / f"{EMBEDDED_DEFAULT}-{device}-msl{DEFAULT_MAX_SEQ_LEN}-torch{torch_tag}-v{FORMAT_VERSION}"
+    path = cache_dir() / f"{model}-{device}-msl{max_seq_len}-torch{torch_tag}-v{FORMAT_VERSION}"
     try:
         read_manifest(path)
         return path
@@ -35,6 +38,5 @@ def default_bundle(device: str = "cpu", progress: bool = True) -> Path:
         pass  # absent or damaged: (re)build it
     path.parent.mkdir(parents=True, exist_ok=True)
     if progress:
-        print(f"building the embedded default bundle ({EMBEDDED_DEFAULT}) into {path}; this happens once")
-    return export(EMBEDDED_DEFAULT, path, max_seq_len=DEFAULT_MAX_SEQ_LEN, device=device, overwrite=True,
-                  progress=progress)
+        print(f"building the embedded bundle {model} into {path}; this happens once", file=sys.stderr)
+    return export(model, path, max_seq_len=max_seq_len, device=device, overwrite=True, progress=progress)

@@ -18,6 +18,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     max_new_tokens: int = 256
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or output (CTRL-style)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -26,6 +27,8 @@ class SamplingParams:
             raise InputError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise InputError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
@@ -44,8 +47,34 @@ class Sampler:
             self.generator.manual_seed(params.seed)
         else:
             self.generator.seed()
+        self.device = device
+        self.seen: torch.Tensor | None = None  # bool [vocab] on the device, for the repetition penalty
+        self._pending: torch.Tensor | None = None
+
+    def observe_prompt(self, ids: list[int]) -> None:
+        """Count the prompt's tokens as seen (one host-to-device copy, before decoding starts)."""
+        if self.params.repetition_penalty != 1.0:
+            self._pending = torch.tensor(list(ids), dtype=torch.long, device=self.device)
+
+    def _penalize(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.seen is None:
+            self.seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            if self._pending is not None:
+                self.seen[self._pending] = True
+        p = self.params.repetition_penalty
+        x = logits.float()
+        return torch.where(self.seen, torch.where(x > 0, x / p, x * p), x)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        if p.repetition_penalty != 1.0:
+            logits = self._penalize(logits)
+        token = self._pick(logits)
+        if self.seen is not None:
+            self.seen[token] = True  # stays on the device
+        return token
+
+    def _pick(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
         if p.greedy:
             return logits.argmax(dim=-1)

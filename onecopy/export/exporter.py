@@ -11,35 +11,18 @@ from pathlib import Path
 
 import torch
 
-from ..bundle import (FORMAT_VERSION, MANIFEST, TOKENIZER, WEIGHTS, InputSpec, Manifest, MethodSpec, TensorSpec,
-                      dtype_name, sha256, tensor_bytes)
+from ..bundle import (FORMAT_VERSION, MANIFEST, TOKENIZER, WEIGHTS, Manifest, MethodSpec, TensorSpec, dtype_name,
+                      sha256, tensor_bytes)
 from ..errors import ExportError
-from ..models.llama import Transformer
+from ..models.base import MethodDef
 from ..models.source import ModelSource, resolve_source
 from .toolchain import pick_cxx
 
-METHODS = ("prefill", "decode")
 
 
 def default_dtype(device: str) -> torch.dtype:
     """fp32 on CPU (bf16 matmuls are slow there), bf16 on CUDA."""
     return torch.float32 if device == "cpu" else torch.bfloat16
-
-
-def method_inputs(method: str, max_seq_len: int, device: str) -> tuple[tuple[torch.Tensor, ...], tuple, list[InputSpec]]:
-    """Example inputs, dynamic shapes and manifest input specs of a method."""
-    if method == "decode":
-        args = (torch.zeros(1, 1, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device))
-        return args, ({}, {}), [InputSpec("tokens", "int64", [1, 1]), InputSpec("input_pos", "int64", [1])]
-    if method == "prefill":
-        if max_seq_len < 2:
-            raise ExportError("prefill needs max_seq_len >= 2")
-        n = min(8, max_seq_len)
-        seq = torch.export.Dim("seq_len", min=2, max=max_seq_len)
-        args = (torch.zeros(1, n, dtype=torch.long, device=device), torch.arange(n, device=device))
-        dim = {"min": 2, "max": max_seq_len}
-        return args, ({1: seq}, {0: seq}), [InputSpec("tokens", "int64", [1, dim]), InputSpec("input_pos", "int64", [dim])]
-    raise ExportError(f"unknown method {method!r}; the Llama family has {', '.join(METHODS)}")
 
 
 def _progress(total: int, enabled: bool):
@@ -49,12 +32,14 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, unit="step", bar_format="{desc:<28} {bar} {n_fmt}/{total_fmt} [{elapsed}]")
 
 
-def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_len: int,
-           dtype: torch.dtype | str | None = None, device: str = "cpu", methods: Sequence[str] = METHODS,
+def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_len: int | None = None,
+           dtype: torch.dtype | str | None = None, device: str = "cpu", methods: Sequence[str] | None = None,
            embed_weights: Sequence[str] = (), overwrite: bool = False, progress: bool = True) -> Path:
     """Export ``source`` into a bundle at ``out_dir`` and return its path.
 
-    Each method is exported and compiled without constants (weightless package); methods named in
+    ``max_seq_len`` defaults to the family's natural bound (Llama: min(2048, the model's context);
+    Whisper: its 448 decoder positions). ``methods`` defaults to every method of the model's family (Llama: prefill, decode; Whisper:
+    encoder, decoder). Each is exported and compiled without constants (weightless package); methods named in
     ``embed_weights`` are compiled the default way, carrying their own weights (the fallback path,
     kept for compatibility tests). The bundle is written to a temporary directory and renamed into
     place only when complete, so a failed export leaves nothing behind.
@@ -69,28 +54,42 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     dtype = dtype or default_dtype(device)
-    unknown = set(embed_weights) - set(methods)
-    if unknown:
-        raise ExportError(f"embed_weights names methods that are not exported: {sorted(unknown)}")
-    bar = _progress(2 + 2 * len(methods) + 1, progress)
-    step = (lambda d: (bar.set_description_str(d), bar.refresh())) if bar else (lambda d: None)
+    bar = None
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        step("load source")
         src = resolve_source(source)
+        bound = src.config.max_target_positions if src.family == "whisper" else src.config.max_position_embeddings
+        if max_seq_len is None:
+            max_seq_len = bound if src.family == "whisper" else min(2048, bound)
+        if not 1 <= max_seq_len <= (bound if src.family == "whisper" else 1 << 20):
+            raise ExportError(f"max_seq_len={max_seq_len} is out of range for {src.name}; "
+                              f"use 1..{bound} (--max-seq-len)")
         model = src.build(max_seq_len, dtype, device)
+        available = model.export_methods(max_seq_len, device)
+        methods = list(available) if methods is None else list(methods)
+        unknown = sorted(set(methods) - set(available)) + sorted(set(embed_weights) - set(methods))
+        if unknown or not methods:
+            raise ExportError(f"cannot export methods {unknown or methods}: {src.family} models have "
+                              f"{', '.join(available)} (embed_weights must name exported methods)")
+        bar = _progress(2 * len(methods) + 3, progress)
+        step = (lambda d: (bar.set_description_str(d), bar.refresh())) if bar else (lambda d: None)
         bar and bar.update()
         (tmp / "methods").mkdir(parents=True)
         cxx = pick_cxx()
-        specs = {}
+        specs, mutated = {}, set()
+        declared = set(model.state_fqns())
         for name in methods:
             step(f"export {name}")
-            ep = _export_method(model, name, max_seq_len, device)
+            ep, method_mutates = _export_method(available[name], name, declared)
+            mutated |= method_mutates
             bar and bar.update()
             step(f"compile {name}")
-            specs[name] = _compile_method(model, ep, name, max_seq_len, device, tmp, cxx, name in embed_weights)
+            specs[name] = _compile_method(ep, available[name], name, tmp, cxx, name in embed_weights, method_mutates)
             bar and bar.update()
+        if mutated != declared and set(methods) == set(available):
+            raise ExportError(f"the methods never write the declared state {sorted(declared - mutated)[:4]}; "
+                              "refusing to write a bundle whose state declaration is wrong")
         step("write bundle")
         _write_bundle(tmp, src, model, specs, max_seq_len, dtype, device, cxx)
         bar and bar.update()
@@ -107,40 +106,36 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
         bar and bar.close()
 
 
-def _export_method(model: Transformer, name: str, max_seq_len: int, device: str) -> torch.export.ExportedProgram:
-    args, dyn, _ = method_inputs(name, max_seq_len, device)
+def _export_method(method: MethodDef, name: str, declared: set[str]) -> tuple[torch.export.ExportedProgram, set[str]]:
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ep = torch.export.export(model, args, dynamic_shapes=dyn, strict=False)
+        ep = torch.export.export(method.module, method.args, dynamic_shapes=method.dynamic_shapes, strict=False)
         # torch keeps in-place buffer writes in the graph; the decomposed signature names them.
         mutated = set(ep.run_decompositions().graph_signature.buffers_to_mutate.values())
-    declared = set(model.state_fqns())
-    if mutated != declared:
+    if not mutated <= declared:
         raise ExportError(
-            f"method {name!r} mutates {sorted(mutated - declared)[:4]} beyond the declared state and leaves "
-            f"{sorted(declared - mutated)[:4]} untouched; refusing to write a bundle whose sessions would share state")
-    return ep
+            f"method {name!r} mutates {sorted(mutated - declared)[:4]} beyond the declared state; "
+            "refusing to write a bundle whose sessions would share state")
+    return ep, mutated
 
 
-def _compile_method(model: Transformer, ep: torch.export.ExportedProgram, name: str, max_seq_len: int, device: str,
-                    tmp: Path, cxx: str, embed: bool) -> MethodSpec:
+def _compile_method(ep: torch.export.ExportedProgram, method: MethodDef, name: str, tmp: Path, cxx: str, embed: bool,
+                    mutated: set[str]) -> MethodSpec:
     pkg = tmp / "methods" / f"{name}.pt2"
     configs: dict = {"cpp.cxx": (cxx,)}
     if not embed:
         configs.update({"always_keep_tensor_constants": True, "aot_inductor.package_constants_in_so": False})
-    t0 = time.time()
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch._inductor.aoti_compile_and_package(ep, package_path=str(pkg), inductor_configs=configs)
-    sig = ep.graph_signature
-    constants = sorted([*sig.parameters, *sig.buffers, *sig.lifted_tensor_constants])
-    _, _, inputs = method_inputs(name, max_seq_len, device)
+    # What the compiled package really reads (unused parameters are dropped), not the signature.
+    constants = sorted(torch._inductor.aoti_load_package(str(pkg)).get_constant_fqns())
     return MethodSpec(name=name, package=f"methods/{name}.pt2", package_sha256=sha256(pkg.read_bytes()),
-                      weights="embedded" if embed else "external", inputs=inputs, constants=constants,
-                      state=sorted(model.state_fqns()))
+                      weights="embedded" if embed else "external", inputs=method.inputs, constants=constants,
+                      state=sorted(mutated))
 
 
-def _write_bundle(tmp: Path, src: ModelSource, model: Transformer, specs: dict[str, MethodSpec], max_seq_len: int,
+def _write_bundle(tmp: Path, src: ModelSource, model: torch.nn.Module, specs: dict[str, MethodSpec], max_seq_len: int,
                   dtype: torch.dtype, device: str, cxx: str) -> None:
     from safetensors.torch import save_file
 
@@ -158,7 +153,7 @@ def _write_bundle(tmp: Path, src: ModelSource, model: Transformer, specs: dict[s
                  for k, v in weights.items()},
         state=state,
         tokenizer={"file": TOKENIZER, "bos_token_id": src.bos_token_id},
-        generation={"eos_token_ids": src.eos_token_ids, "chat_template": src.chat_template},
+        generation={"eos_token_ids": src.eos_token_ids, "chat_template": src.chat_template, **src.generation},
         build={"source": src.name, "torch": torch.__version__, "cxx": cxx,
                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
         format_version=FORMAT_VERSION)

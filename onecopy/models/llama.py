@@ -16,6 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..bundle import InputSpec
+from .base import MethodDef
+
 
 @dataclass
 class LlamaConfig:
@@ -206,6 +209,20 @@ class Transformer(nn.Module):
     def state_fqns(self) -> list[str]:
         """FQNs of the buffers the forward mutates in place: the per-session state."""
         return [f"layers.{i}.attention.kv_cache.{n}" for i in range(len(self.layers)) for n in ("k_cache", "v_cache")]
+
+    def export_methods(self, max_seq_len: int, device: str) -> dict[str, MethodDef]:
+        """prefill: dynamic length 2..max_seq_len; decode: one token (static shape, graph-friendly)."""
+        long = dict(dtype=torch.long, device=device)
+        n = min(8, max_seq_len)
+        seq = torch.export.Dim("seq_len", min=2, max=max_seq_len)
+        dim = {"min": 2, "max": max_seq_len}
+        methods = {"decode": MethodDef(self, (torch.zeros(1, 1, **long), torch.zeros(1, **long)), ({}, {}),
+                                       [InputSpec("tokens", "int64", [1, 1]), InputSpec("input_pos", "int64", [1])])}
+        if max_seq_len >= 2:
+            methods["prefill"] = MethodDef(self, (torch.zeros(1, n, **long), torch.arange(n, device=device)),
+                                           ({1: seq}, {0: seq}),
+                                           [InputSpec("tokens", "int64", [1, dim]), InputSpec("input_pos", "int64", [dim])])
+        return {k: methods[k] for k in ("prefill", "decode") if k in methods}
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         x = self.tok_embeddings(tokens)

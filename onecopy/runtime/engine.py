@@ -278,6 +278,7 @@ class Engine:
 
     def _close_session(self, session: Session) -> None:
         with self._lock:
+            session._kept.clear()
             session.closed = True
             self._sessions.pop(session.id, None)
             self._give_back(session)

@@ -18,6 +18,13 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class Slot:
+    """Names a tensor kept on the device in a session; pass it among a method's inputs."""
+
+    name: str
+
+
+@dataclass(frozen=True)
 class Token:
     """One generated token: its id and the text it completes (may be "" mid UTF-8 sequence)."""
 
@@ -37,6 +44,7 @@ class Session:
         self.position = 0  # tokens already in the state (next write position)
         self.closed = False
         self._slot = None  # the GraphSlot this session borrows when the engine uses CUDA graphs
+        self._kept: dict[str, torch.Tensor] = {}  # named device slots (e.g. an encoder output)
 
     @property
     def state(self) -> dict[str, torch.Tensor]:
@@ -53,10 +61,39 @@ class Session:
             raise SessionClosedError(f"session {self.id} is closed; open a new one with engine.open_session()")
 
     # -- running methods -----------------------------------------------------------------------
-    def run(self, method: str, *inputs: torch.Tensor) -> torch.Tensor:
-        """Run a method against this session's state; the output stays on the device."""
+    def run(self, method: str, *inputs: "torch.Tensor | Slot", keep_as: str | None = None) -> torch.Tensor:
+        """Run a method against this session's state; the output stays on the device.
+
+        Inputs may be `Slot(name)`: a tensor kept earlier with ``keep_as`` (or `keep`), used in
+        place with no host round trip; its shape and dtype are checked against the method's inputs.
+        ``keep_as`` keeps the output under that name for later calls.
+        """
         self._check_open()
-        return self.engine._run(self, method, inputs)
+        resolved = tuple(self.slot(i.name) if isinstance(i, Slot) else i for i in inputs)
+        out = self.engine._run(self, method, resolved)
+        if keep_as is not None:
+            self.keep(keep_as, out)
+        return out
+
+    def keep(self, name: str, tensor: torch.Tensor) -> None:
+        """Keep a device tensor under ``name`` until reset() or close() (replacing any earlier one)."""
+        self._check_open()
+        if tensor.device.type != self.engine.device.type:
+            raise InputError(f"slot {name!r} must hold a tensor on {self.engine.device}, got {tensor.device}")
+        self._kept[name] = tensor
+
+    def slot(self, name: str) -> torch.Tensor:
+        """The tensor kept under ``name``; InputError if there is none."""
+        self._check_open()
+        if name not in self._kept:
+            have = ", ".join(sorted(self._kept)) or "none"
+            raise InputError(f"session {self.id} has no slot {name!r} (slots: {have}); run the method that "
+                             f"produces it with keep_as={name!r} first")
+        return self._kept[name]
+
+    @property
+    def slots(self) -> dict[str, torch.Tensor]:
+        return dict(self._kept)
 
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
         """Feed ``ids`` after what the session already holds; returns the last position's logits.
@@ -107,6 +144,7 @@ class Session:
         params = params or SamplingParams()
         stop = set(self.engine.eos_token_ids if stop_ids is None else stop_ids)
         sampler = Sampler(params, self.engine.device)
+        sampler.observe_prompt(prompt_ids)
         logits = self.prefill(prompt_ids)
         for n in range(params.max_new_tokens):
             token = sampler(logits)
@@ -137,6 +175,7 @@ class Session:
         self._check_open()
         with self.engine._lock:
             self._state.zero_()
+            self._kept.clear()
             self.position = 0
 
     def snapshot(self) -> SessionSnapshot:
