@@ -90,3 +90,48 @@ def hf_greedy(source: ModelSource, ids: list[int], n: int) -> list[int]:
         for _ in range(n):
             seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
     return seq[len(ids):]
+
+
+@pytest.fixture(scope="session")
+def whisper_source():
+    return resolve_source("whisper-tiny.en")
+
+
+@pytest.fixture(scope="session")
+def whisper_bundle(tmp_path_factory: pytest.TempPathFactory, whisper_source) -> Path:
+    return onecopy.export(whisper_source, tmp_path_factory.mktemp("bundles") / "whisper", progress=False)
+
+
+SPOKEN = "The quick brown fox jumps over the lazy dog."
+
+
+@pytest.fixture(scope="session")
+def speech_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A WAV of SPOKEN made by espeak-ng (22.05 kHz: the transcriber resamples it)."""
+    import os
+    import subprocess
+
+    if shutil.which("espeak-ng") is None:
+        if os.environ.get("CI") or os.environ.get("ONECOPY_REQUIRE_ESPEAK"):
+            pytest.fail("espeak-ng is required here (apt-get install espeak-ng)")
+        pytest.skip("espeak-ng is not installed (apt-get install espeak-ng)")
+    out = tmp_path_factory.mktemp("audio") / "fox.wav"
+    subprocess.run(["espeak-ng", "-w", str(out), SPOKEN], check=True)
+    return out
+
+
+class HostReads:
+    """Counts every way a tensor's values are read into Python/host memory while active."""
+
+    METHODS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__index__", "__bool__")
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.reads: list[tuple[str, int, torch.dtype, int]] = []
+        for name in self.METHODS:
+            real = getattr(torch.Tensor, name)
+
+            def spy(t, *a, _real=real, _name=name, **k):
+                self.reads.append((_name, t.numel(), t.dtype, t.data_ptr()))
+                return _real(t, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, spy)

@@ -101,3 +101,21 @@ def test_session_memory_returns_to_baseline_and_costs_its_state(cuda_bundle):
         with engine.open_session() as s:
             list(s.generate_ids(PROMPT, onecopy.SamplingParams(max_new_tokens=4)))
     assert used() <= before_load  # engine.close() gives graphs, pool, workspace, weights back
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_only_sampled_ids_cross_to_the_host(cuda_bundle, graphs):
+    """The profiler's device-to-host copies during generation: exactly one per generated token."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with onecopy.Engine.load(cuda_bundle, "cuda", cuda_graphs=graphs) as engine, engine.open_session() as s:
+        params = onecopy.SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=1, repetition_penalty=1.2,
+                                        max_new_tokens=16)
+        list(s.generate_ids(PROMPT, params, stop_ids=[]))  # warm up
+        s.reset()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            out = list(s.generate_ids(PROMPT, params, stop_ids=[]))
+    d2h = [e for e in prof.events() if "DtoH" in e.name or "Device -> Host" in e.name or "DeviceToHost" in e.name]
+    d2h_memcpy = [e for e in d2h if e.device_type == torch.autograd.DeviceType.CUDA] or d2h
+    assert len(out) == 16
+    assert len(d2h_memcpy) == 16, sorted({e.name for e in prof.events() if "emcpy" in e.name})

@@ -1,0 +1,150 @@
+"""Whisper as an encoder-decoder bundle: transcripts equal transformers' model token for token."""
+
+import subprocess
+import sys
+import wave
+
+import numpy as np
+import pytest
+import torch
+
+import onecopy
+from onecopy.audio import AudioError, LogMel, load_audio, read_wav, resample
+from onecopy.runtime import method as method_mod
+from onecopy.transcribe import Transcriber, transcribe_file
+
+from .conftest import SPOKEN, HostReads
+
+pytestmark = pytest.mark.slow
+
+
+def _hf_transcribe(source, samples, sot, eos, suppress, suppress_begin, limit=100):
+    """Greedy, timestamps-free decoding of transformers' WhisperForConditionalGeneration (same weights)."""
+    import transformers
+
+    from onecopy.models.ct2_whisper import hf_config_from_whisper
+
+    cfg = transformers.WhisperConfig(**{k: v for k, v in hf_config_from_whisper(source.config).items() if k != "model_type"})
+    model = transformers.WhisperForConditionalGeneration(cfg).eval()
+    missing, unexpected = model.load_state_dict(source.hf_state_dict, strict=False)
+    assert not unexpected and set(missing) <= {"proj_out.weight"}
+    features = transformers.WhisperFeatureExtractor(feature_size=source.config.n_mels)(
+        samples, sampling_rate=16000, return_tensors="pt").input_features
+    ids = list(sot)
+    with torch.no_grad():
+        enc = model.model.encoder(features).last_hidden_state
+        for step in range(limit):
+            logits = model(encoder_outputs=(enc,), decoder_input_ids=torch.tensor([ids])).logits[0, -1]
+            logits[list(suppress_begin if step == 0 else suppress)] = float("-inf")
+            t = int(logits.argmax())
+            if t == eos:
+                break
+            ids.append(t)
+    return ids[len(sot):]
+
+
+def test_transcript_matches_transformers_token_for_token(whisper_bundle, whisper_source, speech_wav):
+    with onecopy.Engine.load(whisper_bundle) as engine:
+        samples = load_audio(speech_wav)
+        tr = Transcriber(engine).transcribe(samples)
+        gen = engine.manifest.generation
+        want = _hf_transcribe(whisper_source, samples, gen["sot_ids"], engine.eos_token_ids[0], gen["suppress_ids"],
+                              set(gen["suppress_ids"]) | set(gen["suppress_ids_begin"]))
+        assert tr.window_tokens == [want]
+        words = tr.text.lower()
+        for w in ("quick", "brown", "fox", "over", "lazy", "dog"):
+            assert w in words, tr.text
+
+
+def test_encoder_runs_once_per_window_and_its_output_stays_put(whisper_bundle, speech_wav, monkeypatch, tmp_path):
+    """41 s of audio = two windows: two encoder calls; every decoder step reads the kept tensor itself."""
+    samples = load_audio(speech_wav)
+    silence = np.zeros(16000 * 34, dtype=np.float32)
+    long = np.concatenate([samples, silence, samples])
+    assert 30 < len(long) / 16000 < 60
+    calls = []
+    real = method_mod.Method.__call__
+    monkeypatch.setattr(method_mod.Method, "__call__",
+                        lambda self, *a: (calls.append((self.name, [x.data_ptr() for x in a])), real(self, *a))[1])
+    with onecopy.Engine.load(whisper_bundle) as engine:
+        t = Transcriber(engine)
+        kept = []
+        real_keep = onecopy.Session.keep
+        monkeypatch.setattr(onecopy.Session, "keep", lambda self, n, x: (kept.append(x), real_keep(self, n, x))[1])
+        reads = HostReads(monkeypatch)
+        tr = t.transcribe(long)
+    encoder_calls = [c for c in calls if c[0] == "encoder"]
+    assert len(encoder_calls) == 2 and len(kept) == 2
+    assert tr.text.lower().count("fox") == 2
+    kept_ptrs = {x.data_ptr() for x in kept}
+    decoder_kv = [c[1][2] for c in calls if c[0] == "decoder"]
+    assert decoder_kv and set(decoder_kv) == kept_ptrs  # no copy of the encoder output, ever
+    assert all(x.device.type == engine.device.type for x in kept)
+    assert not any(ptr in kept_ptrs for _, _, _, ptr in reads.reads)  # never read back to the host
+    # Only chosen token ids cross: one 1-element int64 read per generated token or eos.
+    n_steps = sum(len(w) + 1 for w in tr.window_tokens)
+    assert [(n, k, d) for n, k, d, _ in reads.reads] == [("item", 1, torch.int64)] * n_steps
+
+
+def test_cli_transcribe(whisper_bundle, speech_wav):
+    r = subprocess.run([sys.executable, "-m", "onecopy.cli", "transcribe", "--bundle", str(whisper_bundle),
+                        str(speech_wav)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "lazy dog" in r.stdout.lower()
+
+
+def test_whisper_bundle_shares_weights_and_declares_the_decoder_cache(whisper_bundle):
+    with onecopy.Engine.load(whisper_bundle) as engine:
+        assert engine.methods == ["encoder", "decoder"]
+        assert engine.method("encoder").state_fqns == [] and len(engine.method("decoder").state_fqns) == 8
+        r = engine.memory_report()
+        assert r.duplicated_weight_bytes == 0 and r.resident_weight_bytes == r.unique_weight_bytes
+
+
+def test_log_mel_equals_transformers(speech_wav):
+    import transformers
+
+    samples = load_audio(speech_wav)
+    want = transformers.WhisperFeatureExtractor(feature_size=80)(samples, sampling_rate=16000,
+                                                                 return_tensors="pt").input_features
+    torch.testing.assert_close(LogMel(80, torch.device("cpu"))(samples), want, rtol=1e-4, atol=1e-4)
+
+
+def test_resampling_keeps_a_tone():
+    t = np.arange(22050 * 2) / 22050
+    out = resample(np.sin(2 * np.pi * 440 * t).astype(np.float32), 22050)
+    ref = np.sin(2 * np.pi * 440 * np.arange(len(out)) / 16000)
+    assert len(out) == 32000 and np.abs(out[800:-800] - ref[800:-800]).max() < 1e-3
+
+
+def _write_wav(path, rate, samples, width=2):
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(width)
+        w.setframerate(rate)
+        w.writeframes((np.asarray(samples) * 32767).astype("<i2").tobytes())
+
+
+def test_bad_audio_gets_clear_errors(tmp_path, whisper_bundle):
+    empty = tmp_path / "empty.wav"
+    empty.write_bytes(b"")
+    with pytest.raises(AudioError, match="is empty"):
+        load_audio(empty)
+    text = tmp_path / "notes.wav"
+    text.write_text("hello, not audio")
+    with pytest.raises(AudioError, match="not a WAV file .*ffmpeg"):
+        load_audio(text)
+    slow = tmp_path / "slow.wav"
+    _write_wav(slow, 1000, np.zeros(2000))
+    with pytest.raises(AudioError, match="sample rate 1000 Hz is outside what onecopy resamples"):
+        load_audio(slow)
+    short = tmp_path / "short.wav"
+    _write_wav(short, 16000, np.zeros(800))
+    with pytest.raises(AudioError, match=r"0.050 s of audio; at least 0.1 s"):
+        load_audio(short)
+    with pytest.raises(AudioError, match="does not exist"):
+        read_wav(tmp_path / "missing.wav")
+    with onecopy.Engine.load(whisper_bundle) as engine:
+        with pytest.raises(AudioError, match="is empty"):
+            transcribe_file(engine, empty)
+        assert engine.sessions_open == 0
