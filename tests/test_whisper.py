@@ -148,3 +148,20 @@ def test_bad_audio_gets_clear_errors(tmp_path, whisper_bundle):
         with pytest.raises(AudioError, match="is empty"):
             transcribe_file(engine, empty)
         assert engine.sessions_open == 0
+
+
+def test_hf_whisper_checkpoint_dir_loads_the_same_model(whisper_source, tmp_path):
+    """A transformers-format Whisper directory (config, safetensors, tokenizer, generation config)."""
+    import json
+
+    from onecopy.models.source import resolve_source
+
+    whisper_source.save_hf(tmp_path)
+    gen = whisper_source.generation
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"suppress_tokens": gen["suppress_ids"], "begin_suppress_tokens": gen["suppress_ids_begin"]}))
+    src = resolve_source(tmp_path)
+    assert src.family == "whisper" and src.config == whisper_source.config
+    assert src.generation == gen and src.eos_token_ids == whisper_source.eos_token_ids
+    assert set(src.hf_state_dict) == set(whisper_source.hf_state_dict)
+    assert all(torch.equal(src.hf_state_dict[k], v) for k, v in whisper_source.hf_state_dict.items())

@@ -94,7 +94,11 @@ def whisper_from_ct2(model_dir: Path) -> tuple[WhisperConfig, dict[str, torch.Te
         sd[dst + ".q_proj.weight"], sd[dst + ".k_proj.weight"], sd[dst + ".v_proj.weight"] = w
         sd[dst + ".q_proj.bias"], sd[dst + ".v_proj.bias"] = b[0], b[2]  # k has no bias in Whisper
 
-    def ffn(dst: str, src: str) -> None:
+    def self_attention_and_ffn(dst: str, src: str) -> None:
+        # The parts every encoder and decoder layer has (the decoder adds cross-attention).
+        fused_qkv(dst + ".self_attn", src + "/self_attention/linear_0")
+        lin(dst + ".self_attn.out_proj", src + "/self_attention/linear_1")
+        norm(dst + ".self_attn_layer_norm", src + "/self_attention/layer_norm")
         norm(dst + ".final_layer_norm", src + "/ffn/layer_norm")
         lin(dst + ".fc1", src + "/ffn/linear_0")
         lin(dst + ".fc2", src + "/ffn/linear_1")
@@ -103,26 +107,19 @@ def whisper_from_ct2(model_dir: Path) -> tuple[WhisperConfig, dict[str, torch.Te
     lin("model.encoder.conv2", "encoder/conv2")
     sd["model.encoder.embed_positions.weight"] = t(v["encoder/position_encodings/encodings"])
     for i in range(n_enc):
-        p, s = f"model.encoder.layers.{i}", f"encoder/layer_{i}"
-        fused_qkv(p + ".self_attn", s + "/self_attention/linear_0")
-        lin(p + ".self_attn.out_proj", s + "/self_attention/linear_1")
-        norm(p + ".self_attn_layer_norm", s + "/self_attention/layer_norm")
-        ffn(p, s)
+        self_attention_and_ffn(f"model.encoder.layers.{i}", f"encoder/layer_{i}")
     norm("model.encoder.layer_norm", "encoder/layer_norm")
     sd["model.decoder.embed_tokens.weight"] = t(v["decoder/embeddings/weight"])
     sd["model.decoder.embed_positions.weight"] = t(v["decoder/position_encodings/encodings"])
     for i in range(n_dec):
         p, s = f"model.decoder.layers.{i}", f"decoder/layer_{i}"
-        fused_qkv(p + ".self_attn", s + "/self_attention/linear_0")
-        lin(p + ".self_attn.out_proj", s + "/self_attention/linear_1")
-        norm(p + ".self_attn_layer_norm", s + "/self_attention/layer_norm")
+        self_attention_and_ffn(p, s)
         lin(p + ".encoder_attn.q_proj", s + "/attention/linear_0")
         kw, kb = t(v[s + "/attention/linear_1/weight"]).split(d), t(v[s + "/attention/linear_1/bias"]).split(d)
         sd[p + ".encoder_attn.k_proj.weight"], sd[p + ".encoder_attn.v_proj.weight"] = kw
         sd[p + ".encoder_attn.v_proj.bias"] = kb[1]
         lin(p + ".encoder_attn.out_proj", s + "/attention/linear_2")
         norm(p + ".encoder_attn_layer_norm", s + "/attention/layer_norm")
-        ffn(p, s)
     norm("model.decoder.layer_norm", "decoder/layer_norm")
     gen: dict[str, Any] = {}
     cfg_file = model_dir / "config.json"

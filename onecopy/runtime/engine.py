@@ -283,6 +283,11 @@ class Engine:
             self._sessions.pop(session.id, None)
             self._give_back(session)
 
+    def graph_slots(self) -> list[dict[str, float]]:
+        """Per captured slot: capture time, device bytes, and bytes beyond its state (runner + graph)."""
+        return [{"index": s.index, "capture_seconds": s.capture_seconds, "device_bytes": s.device_bytes,
+                 "overhead_bytes": s.overhead_bytes, "in_use": s not in self._free_slots} for s in self._slots]
+
     @property
     def sessions_open(self) -> int:
         return len(self._sessions)
