@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .errors import (BundleNotFoundError, CoverageError, DeviceMismatchError, ManifestError,
+from .errors import (BundleNotFoundError, CoverageError, DeviceMismatchError, ManifestError, TorchVersionMismatchError,
                      UnsupportedFormatVersionError, WeightsCorruptError, WeightSpecError)
 
 FORMAT = "onecopy-bundle"
@@ -215,6 +215,11 @@ def read_bundle(path: str | Path, device_kind: str) -> Bundle:
         raise DeviceMismatchError(
             f"bundle {path} was compiled for {m.device_kind!r} but you asked for {device_kind!r}; "
             f"load it with device={m.device_kind!r}, or export again with --device {device_kind}")
+    built, running = m.build.get("torch", ""), torch.__version__
+    if built and built.split(".")[:2] != running.split(".")[:2]:
+        raise TorchVersionMismatchError(
+            f"bundle {path} was compiled by torch {built} but this is torch {running}; AOTInductor packages only "
+            "load into the release that built them: export the bundle again here")
     for spec in m.methods.values():
         pkg = path / spec.package
         if not pkg.is_file():

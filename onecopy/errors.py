@@ -43,6 +43,10 @@ class CoverageError(BundleError):
     """A method needs constants that the bundle does not provide (or provides unexpected ones)."""
 
 
+class TorchVersionMismatchError(BundleError):
+    """The bundle's packages were compiled by another torch release than the one running."""
+
+
 class DeviceMismatchError(BundleError):
     """The bundle was compiled for another device kind than the one asked for."""
 

@@ -196,8 +196,11 @@ class Engine:
     @property
     def bytes_per_new_session(self) -> int:
         """Device bytes one more session takes: its state, plus a runner and graph when graphs are on."""
-        if self.cuda_graphs and self._slots:
-            return max(s.device_bytes for s in self._slots)
+        if self.cuda_graphs and len(self._slots) > 1:
+            # The first slot also grew the shared pool and workspaces once; later slots show the real cost.
+            return max(s.device_bytes for s in self._slots[1:])
+        if self.cuda_graphs:
+            return -(-self.session_bytes // (2 << 20)) * (2 << 20)  # measured: later slots cost their state
         return self.session_bytes
 
     def capacity(self) -> int:

@@ -35,8 +35,9 @@ class Token:
 class Session:
     """Owns exactly one copy of the model's mutable state. Use as a context manager or call close().
 
-    Create with `Engine.open_session`. Methods of one session may be called from any thread; the
-    engine serializes calls and re-points the compiled methods when another session ran last.
+    Create with `Engine.open_session`. Different sessions may be driven from different threads at
+    once (the engine serializes method calls and re-points the compiled methods when another
+    session ran last); one session is driven by one thread at a time.
     """
 
     def __init__(self, engine: "Engine", session_id: int, state: SessionState) -> None:
