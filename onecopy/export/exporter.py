@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -58,6 +59,8 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
+        if progress:
+            print(f"reading {source if not isinstance(source, ModelSource) else source.name} ...", file=sys.stderr)
         src = resolve_source(source)
         bound = src.config.max_target_positions if src.family == "whisper" else src.config.max_position_embeddings
         if max_seq_len is None:
