@@ -234,8 +234,9 @@ def read_bundle(path: str | Path, device_kind: str) -> Bundle:
     if not wfile.is_file():
         raise BundleNotFoundError(f"weight file {wfile} is missing; export the bundle again")
     header, mm, f, base = _read_safetensors(wfile)
+    bundle = Bundle(path=path, manifest=m, weights={}, _mmap=mm, _file=f)
+    weights = bundle.weights
     try:
-        weights: dict[str, torch.Tensor] = {}
         for fqn, spec in m.weights.items():
             entry = header.get(fqn)
             if entry is None:
@@ -252,12 +253,7 @@ def read_bundle(path: str | Path, device_kind: str) -> Bundle:
                 raise WeightsCorruptError(
                     f"weight {fqn!r} in {wfile.name} does not match its content hash (the file is corrupt); export again")
             weights[fqn] = _view(view, spec)
-        return Bundle(path=path, manifest=m, weights=weights, _mmap=mm, _file=f)
+        return bundle
     except BaseException:
-        weights.clear()
-        try:
-            mm.close()
-        except BufferError:
-            pass
-        f.close()
+        bundle.close()
         raise

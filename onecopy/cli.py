@@ -50,6 +50,7 @@ def _cmd_export(a: argparse.Namespace) -> int:
 
 def _cmd_info(a: argparse.Namespace) -> int:
     from .bundle import read_manifest
+    from .runtime.engine import gpu_reserve
 
     m = read_manifest(Path(a.bundle))
     weight_bytes = sum(s.nbytes for s in m.weights.values())
@@ -70,7 +71,7 @@ def _cmd_info(a: argparse.Namespace) -> int:
           f"(weights + state), each further session {state_bytes / 2**20:,.1f} MiB")
     if a.device_memory:
         total = parse_size(a.device_memory)
-        reserve = max(512 * 2**20, total // 20)  # the Engine's default reserve on CUDA
+        reserve = gpu_reserve(total)  # what the Engine keeps free on a GPU of that size
         fit = max(total - weight_bytes - reserve, 0) // max(state_bytes, 1)
         print(f"capacity      {fit} sessions fit in {a.device_memory} "
               f"(after {weight_bytes / 2**20:,.1f} MiB of weights and a {reserve / 2**20:,.0f} MiB reserve)")

@@ -84,8 +84,8 @@ class Sampler:
             x = x.masked_fill(x < kth, float("-inf"))
         if p.top_p < 1.0:
             sorted_x, idx = torch.sort(x, dim=-1, descending=True)
-            cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
-            drop = (cum - sorted_x.softmax(dim=-1)) > p.top_p  # keep the smallest prefix reaching top_p
+            sorted_p = sorted_x.softmax(dim=-1)
+            drop = (sorted_p.cumsum(dim=-1) - sorted_p) > p.top_p  # keep the smallest prefix reaching top_p
             x = x.scatter(-1, idx, sorted_x.masked_fill(drop, float("-inf")))
         probs = x.softmax(dim=-1)
         # Exponential race (gpt-fast): argmax(p / E) with E ~ Exp(1) samples from p without a host sync.

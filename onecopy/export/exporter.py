@@ -26,11 +26,27 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.float32 if device == "cpu" else torch.bfloat16
 
 
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-    return tqdm(total=total, unit="step", bar_format="{desc:<28} {bar} {n_fmt}/{total_fmt} [{elapsed}]")
+class _Progress:
+    """A bar of named export steps on stderr, or nothing when disabled."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, unit="step", bar_format="{desc:<28} {bar} {n_fmt}/{total_fmt} [{elapsed}]")
+
+    def step(self, description: str) -> None:
+        if self.bar:
+            self.bar.set_description_str(description)
+            self.bar.refresh()
+
+    def done(self) -> None:
+        if self.bar:
+            self.bar.update()
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.close()
 
 
 def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_len: int | None = None,
@@ -55,7 +71,7 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     dtype = dtype or default_dtype(device)
-    bar = None
+    bar = _Progress(0, False)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -75,38 +91,37 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
         if unknown or not methods:
             raise ExportError(f"cannot export methods {unknown or methods}: {src.family} models have "
                               f"{', '.join(available)} (embed_weights must name exported methods)")
-        bar = _progress(2 * len(methods) + 3, progress)
-        step = (lambda d: (bar.set_description_str(d), bar.refresh())) if bar else (lambda d: None)
-        bar and bar.update()
+        bar = _Progress(2 * len(methods) + 3, progress)
+        bar.done()  # the source is read
         (tmp / "methods").mkdir(parents=True)
         cxx = pick_cxx()
         specs, mutated = {}, set()
         declared = set(model.state_fqns())
         for name in methods:
-            step(f"export {name}")
+            bar.step(f"export {name}")
             ep, method_mutates = _export_method(available[name], name, declared)
             mutated |= method_mutates
-            bar and bar.update()
-            step(f"compile {name}")
+            bar.done()
+            bar.step(f"compile {name}")
             specs[name] = _compile_method(ep, available[name], name, tmp, cxx, name in embed_weights, method_mutates)
-            bar and bar.update()
+            bar.done()
         if mutated != declared and set(methods) == set(available):
             raise ExportError(f"the methods never write the declared state {sorted(declared - mutated)[:4]}; "
                               "refusing to write a bundle whose state declaration is wrong")
-        step("write bundle")
+        bar.step("write bundle")
         _write_bundle(tmp, src, model, specs, max_seq_len, dtype, device, cxx)
-        bar and bar.update()
+        bar.done()
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
-        step("done")
-        bar and bar.update()
+        bar.step("done")
+        bar.done()
         return out
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
-        bar and bar.close()
+        bar.close()
 
 
 def _export_method(method: MethodDef, name: str, declared: set[str]) -> tuple[torch.export.ExportedProgram, set[str]]:
@@ -143,11 +158,11 @@ def _write_bundle(tmp: Path, src: ModelSource, model: torch.nn.Module, specs: di
     from safetensors.torch import save_file
 
     state_fqns = set(model.state_fqns())
-    # state_dict() already lists a tied tensor once per owner; we tie by reusing the embedding.
-    weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k not in state_fqns}
+    tensors = model.state_dict()  # tied weights appear once: the models reuse the embedding, no alias FQN
+    weights = {k: v.detach().contiguous().cpu() for k, v in tensors.items() if k not in state_fqns}
     save_file(weights, str(tmp / WEIGHTS))
     state = {k: TensorSpec(shape=list(v.shape), dtype=dtype_name(v.dtype), init="zeros")
-             for k, v in model.state_dict().items() if k in state_fqns}
+             for k, v in tensors.items() if k in state_fqns}
     (tmp / TOKENIZER).write_text(src.tokenizer_json)
     manifest = Manifest(
         family=src.family, config=src.config.to_dict(), max_seq_len=max_seq_len, dtype=dtype_name(dtype),

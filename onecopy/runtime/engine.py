@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -21,22 +20,14 @@ from .weights import WeightStore
 from .workspace import Workspace
 
 
-def _release(tensors: Iterable[torch.Tensor]) -> None:
-    """Free the memory of tensors we own even though AOTI runners still reference them.
-
-    Measured (torch 2.13): a runner given user-managed constants keeps references to them even
-    after the runner is deleted, so dropping our own references frees nothing. Shrinking the
-    storage to zero bytes returns the memory; no runner reads it again (they are rebound first).
-    """
-    for t in tensors:
-        t.untyped_storage().resize_(0)
+def gpu_reserve(total_bytes: int) -> int:
+    """GPU memory kept free for activations and workspaces when sizing session capacity."""
+    return max(512 * 2**20, total_bytes // 20)
 
 
 def default_reserve(device: torch.device) -> int:
-    """Device memory kept free for activations and workspaces when sizing session capacity."""
     if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        return max(512 * 2**20, total // 20)
+        return gpu_reserve(torch.cuda.get_device_properties(device).total_memory)
     return 1 << 30
 
 
@@ -111,7 +102,6 @@ class Engine:
         except BaseException:
             for m in methods.values():
                 m.close()
-            _release(store.tensors())
             store.clear()
             raise
         finally:
@@ -262,9 +252,8 @@ class Engine:
 
     def _new_slot(self) -> GraphSlot:
         decode = self._methods["decode"]
-        slot = GraphSlot(len(self._slots), decode.spec, self.path / decode.spec.package, self.device,
-                         set(self.manifest.state), self._store.as_map(decode.weight_fqns), self.manifest.state,
-                         self.workspace, self._pool, self._warmup_stream)
+        slot = GraphSlot(len(self._slots), decode.spec, self.path / decode.spec.package, self.device, self._store,
+                         self.manifest.state, self.workspace, self._pool, self._warmup_stream)
         self._slots.append(slot)
         return slot
 
@@ -305,7 +294,7 @@ class Engine:
                 return out.clone() if own_output else out
             if method.bound_session != session.id:
                 # Re-point this method at the session's state only when another session ran it last.
-                method.bind(self._store.as_map(method.weight_fqns) if not method.embeds_weights else {}, session.state)
+                method.bind(self._store, session.state)
                 method.bound_session = session.id
             with torch.inference_mode():
                 return method(*inputs)
@@ -354,7 +343,6 @@ class Engine:
             for m in self._methods.values():
                 m.close()
             self._methods.clear()
-            _release(self._store.tensors())
             self._store.clear()
             self.closed = True
         if self.device.type == "cuda":

@@ -16,6 +16,7 @@ import torch
 from ..bundle import MethodSpec, TensorSpec
 from .method import Method
 from .state import SessionState
+from .weights import WeightStore
 from .workspace import Workspace
 
 WARMUP_RUNS = 2
@@ -24,15 +25,15 @@ WARMUP_RUNS = 2
 class GraphSlot:
     """A session slot: its state and a decode graph captured against it."""
 
-    def __init__(self, index: int, spec: MethodSpec, package: Path, device: torch.device, state_fqns: set[str],
-                 weights: dict[str, torch.Tensor], state_specs: dict[str, TensorSpec], workspace: Workspace,
-                 pool: tuple[int, int], warmup_stream: torch.cuda.Stream) -> None:
+    def __init__(self, index: int, spec: MethodSpec, package: Path, device: torch.device, store: WeightStore,
+                 state_specs: dict[str, TensorSpec], workspace: Workspace, pool: tuple[int, int],
+                 warmup_stream: torch.cuda.Stream) -> None:
         t0 = time.perf_counter()
         free_before = torch.cuda.mem_get_info(device)[0]
         self.index = index
         self.state = SessionState(state_specs, device)
-        self.runner = Method(spec, package, device, state_fqns)
-        self.runner.bind(weights, self.state.tensors)
+        self.runner = Method(spec, package, device, set(state_specs))
+        self.runner.bind(store, self.state.tensors)
         # Static inputs are shared by every slot: replays run in stream order, each after its own copy-in.
         self.tokens = workspace.get("decode.tokens", (1, 1), torch.long, device, zero=True)
         self.input_pos = workspace.get("decode.input_pos", (1,), torch.long, device, zero=True)

@@ -10,6 +10,7 @@ import torch
 from ..bundle import MethodSpec, parse_dtype
 from ..errors import CoverageError, InputError
 from ..export.toolchain import check_package_loadable
+from .weights import WeightStore
 
 
 class Method:
@@ -45,12 +46,13 @@ class Method:
     def embeds_weights(self) -> bool:
         return self.spec.weights == "embedded"
 
-    def bind(self, weights: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
-        """Point the runner at ``state`` (and, the first time, at the shared ``weights``)."""
+    def bind(self, store: WeightStore, state: dict[str, torch.Tensor]) -> None:
+        """Point the runner at ``state`` (and, the first time, at the shared weights in ``store``)."""
         state = {k: state[k] for k in self.state_fqns}
         if self.embeds_weights:
             self._compiled.load_constants(state, check_full_update=False, user_managed=True)
         elif not self.weights_bound:
+            weights = store.as_map(self.weight_fqns)  # only the first bind needs them: later ones re-point state
             self._compiled.load_constants({**weights, **state}, check_full_update=True, user_managed=True)
             self.weights_bound = True
             self.bound.update({k: v.data_ptr() for k, v in weights.items()})
