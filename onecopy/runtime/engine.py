@@ -106,8 +106,14 @@ class Engine:
             raise
         finally:
             bundle.close()
-        use_graphs = dev.type == "cuda" and "decode" in methods and not methods["decode"].embeds_weights \
-            and not fail_closed if cuda_graphs is None else bool(cuda_graphs)
+        graphable = "decode" in methods and not methods["decode"].embeds_weights
+        if cuda_graphs and not graphable:
+            for m in methods.values():
+                m.close()
+            store.clear()
+            raise InputError(f"cuda_graphs=True needs a 'decode' method bound to the shared weights; bundle "
+                             f"{bundle_dir} has {', '.join(methods)}: load it with cuda_graphs=False")
+        use_graphs = dev.type == "cuda" and graphable and not fail_closed if cuda_graphs is None else bool(cuda_graphs)
         engine = cls(Path(bundle_dir), manifest, dev, methods, store, baseline, max_sessions, memory_budget,
                      default_reserve(dev) if reserve_bytes is None else reserve_bytes, fail_closed, undeclared,
                      use_graphs)

@@ -119,3 +119,12 @@ def test_only_sampled_ids_cross_to_the_host(cuda_bundle, graphs):
     d2h_memcpy = [e for e in d2h if e.device_type == torch.autograd.DeviceType.CUDA] or d2h
     assert len(out) == 16
     assert len(d2h_memcpy) == 16, sorted({e.name for e in prof.events() if "emcpy" in e.name})
+
+
+def test_graphs_need_a_shared_weight_decode(tmp_path):
+    only_prefill = onecopy.export("tiny-llama", tmp_path / "p", max_seq_len=64, device="cuda", methods=("prefill",),
+                                  progress=False)
+    with pytest.raises(onecopy.InputError, match="cuda_graphs=True needs a 'decode' method .* cuda_graphs=False"):
+        onecopy.Engine.load(only_prefill, "cuda", cuda_graphs=True)
+    with onecopy.Engine.load(only_prefill, "cuda") as engine:  # the default simply runs without graphs
+        assert not engine.cuda_graphs
