@@ -23,7 +23,7 @@ from .errors import (BundleNotFoundError, CoverageError, DeviceMismatchError, Ma
                      UnsupportedFormatVersionError, WeightsCorruptError, WeightSpecError)
 
 FORMAT = "onecopy-bundle"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: session state is a pool passed to the methods with the rows they work on
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 TOKENIZER = "tokenizer.json"
@@ -54,7 +54,7 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 @dataclass
 class TensorSpec:
-    shape: list[int]
+    shape: list[int]  # state: the shape of one session's row (the pool adds a leading row dim)
     dtype: str
     sha256: str | None = None  # weights only
     init: str | None = None  # state only: "zeros"
@@ -69,22 +69,40 @@ class TensorSpec:
 
 @dataclass
 class InputSpec:
-    """One method input. A dim is an int (static) or {"min": a, "max": b} (dynamic)."""
+    """One method input. A dim is an int (static) or {"min": a, "max": b} (dynamic).
+
+    ``range`` ([lo, hi)) bounds the values of an integer input (token ids: the vocabulary;
+    positions: max_seq_len); the runtime checks it on the host before any kernel runs.
+    """
 
     name: str
     dtype: str
     shape: list[Any]
+    range: list[int] | None = None
+
+
+# What a method does for a session, so the runtime knows how to drive it:
+#   decode:  (tokens[B, 1], input_pos[B], rows[B]) one token for each of B sessions (batched, graph-captured)
+#   prefill: (tokens[1, T], input_pos[T], rows[1]) a chunk of one session's prompt
+#   encode:  (inputs..., rows[1]) fills one session's state from an input (e.g. audio features)
+ROLES = ("decode", "prefill", "encode")
 
 
 @dataclass
 class MethodSpec:
+    """One compiled method. Its package takes ``inputs``, then ``rows`` (int64, the state-pool rows
+    it works on) and then one pool tensor per FQN in ``state`` (leading dim: pool rows)."""
+
     name: str
     package: str
     package_sha256: str
     weights: str  # "external": weightless, bound to the store; "embedded": carries its own (fallback)
     inputs: list[InputSpec]
     constants: list[str]
-    state: list[str]
+    state: list[str]  # state FQNs the method takes (in this order, after rows)
+    writes: list[str] = field(default_factory=list)  # the subset of `state` it writes in place
+    role: str = ""
+    mutated_constants: list[str] = field(default_factory=list)  # constants written in place: sessions would share them
 
 
 @dataclass
@@ -136,6 +154,9 @@ class Manifest:
         try:
             methods = {k: MethodSpec(**{**m, "inputs": [InputSpec(**i) for i in m["inputs"]]})
                        for k, m in d["methods"].items()}
+            bad_roles = {k: m.role for k, m in methods.items() if m.role not in ROLES}
+            if bad_roles:
+                raise ValueError(f"unknown method roles {bad_roles}; this onecopy knows {', '.join(ROLES)}")
             return cls(family=d["family"], config=d["config"], max_seq_len=int(d["max_seq_len"]), dtype=d["dtype"],
                        device_kind=d["device_kind"], methods=methods,
                        weights={k: TensorSpec(**v) for k, v in d["weights"].items()},
@@ -170,14 +191,32 @@ class Bundle:
             self._mmap = self._file = None
 
 
+def bundle_file(path: Path, relative: str, what: str) -> Path:
+    """``path / relative``, refused unless it stays inside the bundle directory (no absolute paths,
+    no ``..``, no symlink leading out): a manifest must never make the runtime read other files."""
+    root = Path(path).resolve()
+    target = (root / relative).resolve()
+    if not isinstance(relative, str) or Path(relative).is_absolute() or not target.is_relative_to(root):
+        raise ManifestError(f"the manifest's path {relative!r} for {what} points outside the bundle directory {root}; "
+                            "a bundle only reads its own files: export it again")
+    return Path(path) / relative
+
+
 def read_manifest(path: Path) -> Manifest:
+    """Read and check manifest.json: format, fields, and that every file it names lies inside ``path``."""
     path = Path(path)
     if not path.is_dir():
         raise BundleNotFoundError(f"bundle directory {path} does not exist; create it with `onecopy export SOURCE --out {path}`")
     mf = path / MANIFEST
     if not mf.is_file():
         raise BundleNotFoundError(f"{mf} is missing; this is not a complete bundle: export it again")
-    return Manifest.from_json(mf.read_text(errors="replace"), mf)
+    m = Manifest.from_json(mf.read_text(errors="replace"), mf)
+    for spec in m.methods.values():
+        bundle_file(path, spec.package, f"the package of method {spec.name!r}")
+    bundle_file(path, m.weights_file, "the weights")
+    if isinstance(m.tokenizer, dict) and "file" in m.tokenizer:
+        bundle_file(path, m.tokenizer["file"], "the tokenizer")
+    return m
 
 
 def _read_safetensors(file: Path) -> tuple[dict[str, Any], mmap.mmap, Any, int]:
@@ -226,10 +265,14 @@ def read_bundle(path: str | Path, device_kind: str) -> Bundle:
             raise BundleNotFoundError(f"method package {pkg} is missing; export the bundle again")
         if sha256(pkg.read_bytes()) != spec.package_sha256:
             raise WeightsCorruptError(f"method package {pkg} does not match its hash in the manifest; export the bundle again")
-        missing = sorted(set(spec.constants) - set(m.weights) - set(m.state))
+        missing = sorted(set(spec.constants) - set(m.weights))
         if missing:
             raise CoverageError(f"method {spec.name!r} needs constants the bundle does not provide: {missing[:5]}; "
                                 "the manifest and packages come from different exports: export again")
+        undeclared = sorted(set(spec.state) - set(m.state))
+        if undeclared or not set(spec.writes) <= set(spec.state):
+            raise CoverageError(f"method {spec.name!r} takes state {(undeclared or sorted(set(spec.writes) - set(spec.state)))[:5]} "
+                                "that the manifest does not declare; the manifest is damaged: export again")
     wfile = path / m.weights_file
     if not wfile.is_file():
         raise BundleNotFoundError(f"weight file {wfile} is missing; export the bundle again")

@@ -31,11 +31,13 @@ def _cmd_transcribe(a: argparse.Namespace) -> int:
     from .defaults import default_bundle
     from .models.source import EMBEDDED_WHISPER
     from .runtime.engine import Engine
-    from .transcribe import transcribe_file
+    from .transcribe import transcribe_files
 
     bundle = Path(a.bundle) if a.bundle else default_bundle(a.device, model=EMBEDDED_WHISPER)
     with Engine.load(bundle, a.device) as engine:
-        print(transcribe_file(engine, a.file, a.max_new_tokens).text)
+        transcripts = transcribe_files(engine, a.files, a.max_new_tokens)
+    for path, t in zip(a.files, transcripts):
+        print(t.text if len(a.files) == 1 else f"{path}: {t.text}")
     return 0
 
 
@@ -63,7 +65,7 @@ def _cmd_info(a: argparse.Namespace) -> int:
     print(f"device kind   {m.device_kind}  dtype={m.dtype}  max_seq_len={m.max_seq_len}")
     for name, spec in m.methods.items():
         shapes = ", ".join(f"{i.name}{i.shape}" for i in spec.inputs)
-        print(f"method        {name:<8} weights={spec.weights:<8} constants={len(spec.constants)} "
+        print(f"method        {name:<8} weights={spec.weights:<8} role={spec.role:<7} constants={len(spec.constants)} "
               f"state={len(spec.state)}  inputs: {shapes}")
     print(f"weights       {len(m.weights)} tensors, {weight_bytes / 2**20:,.1f} MiB (held once on the device)")
     print(f"state         {len(m.state)} tensors, {state_bytes / 2**20:,.1f} MiB per session")
@@ -72,7 +74,7 @@ def _cmd_info(a: argparse.Namespace) -> int:
     if a.device_memory:
         total = parse_size(a.device_memory)
         reserve = gpu_reserve(total)  # what the Engine keeps free on a GPU of that size
-        fit = max(total - weight_bytes - reserve, 0) // max(state_bytes, 1)
+        fit = max(max(total - weight_bytes - reserve, 0) // max(state_bytes, 1) - 1, 0)  # one pool row is scratch
         print(f"capacity      {fit} sessions fit in {a.device_memory} "
               f"(after {weight_bytes / 2**20:,.1f} MiB of weights and a {reserve / 2**20:,.0f} MiB reserve)")
     return 0
@@ -117,8 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--overwrite", action="store_true")
     e.set_defaults(fn=_cmd_export)
 
-    t = sub.add_parser("transcribe", help="transcribe a WAV file (default: the embedded Whisper tiny.en)")
-    t.add_argument("file")
+    t = sub.add_parser("transcribe", help="transcribe WAV files as concurrent sessions (default: the embedded "
+                                          "Whisper tiny.en)")
+    t.add_argument("files", nargs="+", metavar="FILE")
     t.add_argument("--bundle", help="Whisper bundle directory (default: build/reuse the embedded tiny.en)")
     t.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     t.add_argument("--max-new-tokens", type=int, help="per 30 s window")

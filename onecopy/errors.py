@@ -67,6 +67,10 @@ class SessionCapacityError(OnecopyError):
     """No room for another session."""
 
 
+class QueueFullError(SessionCapacityError):
+    """Every row is taken and the scheduler's queue holds max_queue requests already."""
+
+
 class InputError(OnecopyError):
     """A method input or a prompt does not fit what the bundle was compiled for."""
 

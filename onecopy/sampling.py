@@ -1,8 +1,15 @@
-"""Token sampling on the device: greedy, temperature, top-k, top-p, with a seed. No host sync inside."""
+"""Token sampling on the device, for a batch of sessions in one call, each with its own parameters.
+
+Per row: temperature (0 = greedy), top-k, top-p, repetition penalty, suppressed ids and a seed.
+Randomness is counter-based: a row's uniform draw is a hash of (seed, position), computed on the
+device, so a session's tokens depend only on its own seed and logits, never on which other
+sessions share the step or on any generator state. Only the chosen ids leave the device.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,9 +23,11 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0  # 0: no top-k cut
     top_p: float = 1.0
-    seed: int | None = None
+    seed: int | None = None  # None: a random seed per request
     max_new_tokens: int = 256
     repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or output (CTRL-style)
+    suppress_ids: tuple[int, ...] = field(default=())  # never generated
+    begin_suppress_ids: tuple[int, ...] = field(default=())  # not generated as the first token
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -31,63 +40,147 @@ class SamplingParams:
             raise InputError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InputError(f"seed must be in [0, 2**63), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
 
-class Sampler:
-    """Draws the next token id from logits [1, vocab]; returns a [1] int64 tensor on the same device."""
+# splitmix64 constants as signed int64 (torch has no full uint64 arithmetic); products wrap mod 2**64.
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64
+_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX2 = 0x94D049BB133111EB - 2**64
 
-    def __init__(self, params: SamplingParams, device: torch.device) -> None:
-        self.params = params
-        self.generator = torch.Generator(device=device)
-        if params.seed is not None:
-            self.generator.manual_seed(params.seed)
-        else:
-            self.generator.seed()
-        self.device = device
-        self.seen: torch.Tensor | None = None  # bool [vocab] on the device, for the repetition penalty
-        self._pending: torch.Tensor | None = None
 
-    def observe_prompt(self, ids: list[int]) -> None:
-        """Count the prompt's tokens as seen (one host-to-device copy, before decoding starts)."""
-        if self.params.repetition_penalty != 1.0:
-            self._pending = torch.tensor(list(ids), dtype=torch.long, device=self.device)
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
 
-    def _penalize(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.seen is None:
-            self.seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-            if self._pending is not None:
-                self.seen[self._pending] = True
-        p = self.params.repetition_penalty
+
+def counter_uniform(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """A uniform float in (0, 1) per element, a pure function of (seed, counter): splitmix64."""
+    z = seed * _GOLDEN + counter + _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    return (_shr(z, 40).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a small host tensor to ``device`` without blocking the host (pinned staging on CUDA)."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass
+class DrawPlan:
+    """One step's draw: the rows' parameters on the host and packed on the device."""
+
+    params: list[SamplingParams]
+    first: list[bool]
+    ints: torch.Tensor  # int64 [6, n]: pool rows, top-k index, seed, counter, first, greedy
+    floats: torch.Tensor  # float32 [3, n]: repetition penalty, temperature (1 for greedy rows), top-p (inf: off)
+
+
+@dataclass
+class _Row:
+    params: SamplingParams
+    seed: int
+
+
+class BatchSampler:
+    """Sampling state for every pool row (parameters, seen and suppressed ids) and one draw per step."""
+
+    def __init__(self, rows: int, vocab_size: int, device: torch.device) -> None:
+        self.rows, self.vocab, self.device = rows, vocab_size, device
+        self._row: dict[int, _Row] = {}
+        self._seen: torch.Tensor | None = None  # bool [rows, vocab], allocated at the first penalty
+        self._suppress: torch.Tensor | None = None  # bool [rows, vocab]: never
+        self._begin: torch.Tensor | None = None  # bool [rows, vocab]: not first
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in (self._seen, self._suppress, self._begin) if t is not None)
+
+    def _table(self, name: str) -> torch.Tensor:
+        t = getattr(self, name)
+        if t is None:
+            t = torch.zeros(self.rows, self.vocab, dtype=torch.bool, device=self.device)
+            setattr(self, name, t)
+        return t
+
+    def admit(self, row: int, params: SamplingParams, prompt_ids: list[int]) -> None:
+        """Start a request on ``row``: its parameters, a seed, and the prompt as seen (for the penalty)."""
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        self._row[row] = _Row(params, seed)
+        for name, ids in (("_seen", prompt_ids if params.repetition_penalty != 1.0 else ()),
+                          ("_suppress", params.suppress_ids), ("_begin", params.begin_suppress_ids)):
+            if ids or getattr(self, name) is not None:
+                table = self._table(name)
+                table[row].zero_()
+                valid = [i for i in ids if 0 <= i < self.vocab]
+                if valid:
+                    table[row, torch.tensor(valid, dtype=torch.long, device=self.device)] = True
+
+    def plan(self, rows: list[int], counters: list[int], first: list[bool]) -> "DrawPlan":
+        """The per-row parameters of one draw, moved to the device in two small copies.
+
+        Call it before launching the step whose logits it samples: the copies then overlap with
+        the step instead of waiting for it. ``counters`` (the position each id will take) key the
+        random draw; ``first`` marks rows drawing their first token.
+        """
+        params = [self._row[r].params for r in rows]
+        vocab = self.vocab
+        ints = [rows, [min(p.top_k, vocab) - 1 if p.top_k > 0 else vocab - 1 for p in params],
+                [self._row[r].seed for r in rows], counters, [int(f) for f in first], [int(p.greedy) for p in params]]
+        floats = [[p.repetition_penalty for p in params], [p.temperature if not p.greedy else 1.0 for p in params],
+                  [p.top_p if p.top_p < 1.0 else float("inf") for p in params]]
+        return DrawPlan(params, first, to_device(torch.tensor(ints, dtype=torch.long), self.device),
+                        to_device(torch.tensor(floats, dtype=torch.float32), self.device))
+
+    def sample(self, logits: torch.Tensor, plan: "DrawPlan") -> torch.Tensor:
+        """Draw one id per row of ``logits`` [n, vocab] (row i belongs to pool row ``plan.rows[i]``).
+
+        Returns int64 [n] on the device; no host sync.
+        """
+        params = plan.params
+        rows_t = plan.ints[0]
         x = logits.float()
-        return torch.where(self.seen, torch.where(x > 0, x / p, x * p), x)
-
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        p = self.params
-        if p.repetition_penalty != 1.0:
-            logits = self._penalize(logits)
-        token = self._pick(logits)
-        if self.seen is not None:
-            self.seen[token] = True  # stays on the device
+        if any(p.repetition_penalty != 1.0 for p in params):
+            pen = plan.floats[0][:, None]
+            x = torch.where(self._seen[rows_t], torch.where(x > 0, x / pen, x * pen), x)
+        if self._suppress is not None and any(p.suppress_ids for p in params):
+            x = x.masked_fill(self._suppress[rows_t], float("-inf"))
+        if self._begin is not None and any(f and p.begin_suppress_ids for p, f in zip(params, plan.first)):
+            x = x.masked_fill(self._begin[rows_t] & plan.ints[4, :, None].bool(), float("-inf"))
+        token = x.argmax(dim=-1)
+        if not all(p.greedy for p in params):
+            token = torch.where(plan.ints[5].bool(), token, self._draw(x, plan))
+        if self._seen is not None:
+            self._seen[rows_t, token] = True  # stays on the device
         return token
 
-    def _pick(self, logits: torch.Tensor) -> torch.Tensor:
-        p = self.params
-        if p.greedy:
-            return logits.argmax(dim=-1)
-        x = logits.float() / p.temperature
-        if p.top_k > 0 and p.top_k < x.shape[-1]:
-            kth = torch.topk(x, p.top_k, dim=-1).values[..., -1:]
-            x = x.masked_fill(x < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_x, idx = torch.sort(x, dim=-1, descending=True)
-            sorted_p = sorted_x.softmax(dim=-1)
-            drop = (sorted_p.cumsum(dim=-1) - sorted_p) > p.top_p  # keep the smallest prefix reaching top_p
-            x = x.scatter(-1, idx, sorted_x.masked_fill(drop, float("-inf")))
-        probs = x.softmax(dim=-1)
-        # Exponential race (gpt-fast): argmax(p / E) with E ~ Exp(1) samples from p without a host sync.
-        race = torch.empty_like(probs).exponential_(1.0, generator=self.generator)
-        return (probs / race).argmax(dim=-1)
+    def _draw(self, x: torch.Tensor, plan: "DrawPlan") -> torch.Tensor:
+        params, vocab = plan.params, x.shape[-1]
+        y = x / plan.floats[1][:, None]
+        if any(0 < p.top_k < vocab for p in params) or any(p.top_p < 1.0 for p in params):
+            sorted_y, idx = torch.sort(y, dim=-1, descending=True)
+            sorted_y = sorted_y.masked_fill(sorted_y < sorted_y.gather(1, plan.ints[1][:, None]), float("-inf"))
+            # top-p: keep the smallest prefix reaching top_p (rows with top_p = 1 have +inf: keep everything)
+            sorted_p = sorted_y.softmax(dim=-1)
+            sorted_y = sorted_y.masked_fill(sorted_p.cumsum(dim=-1) - sorted_p > plan.floats[2][:, None], float("-inf"))
+            y = y.scatter(-1, idx, sorted_y)
+        # Inverse-CDF draw: one counter-based uniform per row, no generator, no host sync.
+        cdf = y.softmax(dim=-1).cumsum(dim=-1)
+        u = counter_uniform(plan.ints[2], plan.ints[3]) * cdf[:, -1]
+        return torch.searchsorted(cdf, u[:, None], right=True).squeeze(1).clamp_(max=vocab - 1)
+
+    def release(self, row: int) -> None:
+        self._row.pop(row, None)
+
+    def clear(self) -> None:
+        self._row.clear()
+        self._seen = self._suppress = self._begin = None

@@ -38,6 +38,13 @@ def tiny_engine(tiny_bundle: Path):
         yield engine
 
 
+@pytest.fixture
+def det_engine(tiny_bundle: Path):
+    """Deterministic mode: every decode step at the full pool size, each session at its own row."""
+    with onecopy.Engine.load(tiny_bundle, max_sessions=6, deterministic=True) as engine:
+        yield engine
+
+
 @pytest.fixture(scope="session")
 def smollm2_source() -> ModelSource:
     return resolve_source("smollm2-135m-instruct")

@@ -114,6 +114,30 @@ def garbage_weights_header(b):
     (b / "weights.safetensors").write_bytes(bytes(data))
 
 
+def package_path_escapes(b):
+    m = _manifest(b)
+    m["methods"]["decode"]["package"] = "../../outside/decode.pt2"
+    _write_manifest(b, m)
+
+
+def absolute_weights_path(b):
+    m = _manifest(b)
+    m["weights_file"] = "/etc/hosts"
+    _write_manifest(b, m)
+
+
+def tokenizer_path_escapes(b):
+    m = _manifest(b)
+    m["tokenizer"]["file"] = "../tokenizer.json"
+    _write_manifest(b, m)
+
+
+def package_symlink_leads_out(b):
+    outside = b.parent / "outside.pt2"
+    (b / "methods" / "prefill.pt2").rename(outside)
+    (b / "methods" / "prefill.pt2").symlink_to(outside)
+
+
 CASES = [
     (missing_weights_file, onecopy.BundleNotFoundError, r"weights.safetensors is missing; export"),
     (missing_package, onecopy.BundleNotFoundError, r"decode.pt2 is missing; export"),
@@ -131,6 +155,12 @@ CASES = [
     (package_constants_disagree, onecopy.CoverageError, r"package needs constants \['norm.weight'\]"),
     (truncated_weights, onecopy.BundleError, r"(truncated|header).*export"),
     (garbage_weights_header, onecopy.WeightsCorruptError, r"unreadable safetensors header"),
+    (package_path_escapes, onecopy.ManifestError,
+     r"path '../../outside/decode.pt2' for the package of method 'decode' points outside the bundle directory"),
+    (absolute_weights_path, onecopy.ManifestError, r"path '/etc/hosts' for the weights points outside the bundle"),
+    (tokenizer_path_escapes, onecopy.ManifestError, r"path '../tokenizer.json' for the tokenizer points outside"),
+    (package_symlink_leads_out, onecopy.ManifestError,
+     r"'methods/prefill.pt2' for the package of method 'prefill' points outside .* export it again"),
 ]
 
 
@@ -165,11 +195,14 @@ def test_missing_manifest(tmp_path):
 
 
 def test_export_refuses_state_mismatch(tiny_source, tmp_path, monkeypatch):
-    """If the model declares state its methods do not mutate, no bundle is written."""
+    """If a method takes state the model does not declare, or the declared state is never written, no bundle is written."""
     from onecopy.models.llama import Transformer
 
     real = Transformer.state_fqns
     monkeypatch.setattr(Transformer, "state_fqns", lambda self: real(self)[:-1])
-    with pytest.raises(onecopy.ExportError, match="beyond the declared state"):
+    with pytest.raises(onecopy.ExportError, match=r"takes state \['layers.1.attention.v_cache'\] beyond the declared state"):
         onecopy.export(tiny_source, tmp_path / "b", max_seq_len=16, methods=("decode",), progress=False)
+    monkeypatch.setattr(Transformer, "state_fqns", lambda self: real(self) + ["layers.9.ghost"])
+    with pytest.raises(onecopy.ExportError, match=r"never write the declared state \['layers.9.ghost'\]"):
+        onecopy.export(tiny_source, tmp_path / "c", max_seq_len=16, progress=False)
     assert list(tmp_path.iterdir()) == []

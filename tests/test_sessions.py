@@ -8,10 +8,9 @@ import warnings
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 import onecopy
-from onecopy.bundle import sha256, tensor_bytes
 from onecopy.runtime import method as method_mod
 
 from .conftest import copy_bundle
@@ -26,9 +25,10 @@ def _solo(engine, prompt, n=12):
         return ids, {k: v.clone() for k, v in s.state.items()}
 
 
-def test_interleaved_sessions_are_bit_identical_to_solo(tiny_engine):
-    solo = {k: _solo(tiny_engine, p) for k, p in PROMPTS.items()}
-    sessions = {k: tiny_engine.open_session() for k in PROMPTS}
+def test_interleaved_sessions_are_bit_identical_to_solo(det_engine):
+    """Deterministic mode: consumed in turn (so batched together), each equals its solo run bit for bit."""
+    solo = {k: _solo(det_engine, p) for k, p in PROMPTS.items()}
+    sessions = {k: det_engine.open_session() for k in PROMPTS}
     streams = {k: sessions[k].generate_ids(p, GREEDY, stop_ids=[]) for k, p in PROMPTS.items()}
     got = {k: [] for k in PROMPTS}
     for _ in range(GREEDY.max_new_tokens):  # one token of each session in turn
@@ -38,6 +38,16 @@ def test_interleaved_sessions_are_bit_identical_to_solo(tiny_engine):
         assert got[k] == solo[k][0], k
         for fqn, t in sessions[k].state.items():
             assert torch.equal(t, solo[k][1][fqn]), (k, fqn)
+
+
+def test_batched_greedy_tokens_equal_solo_in_default_mode(tiny_engine):
+    """Default mode runs each step at its own batch size: same greedy tokens on this well-separated model."""
+    solo = {k: _solo(tiny_engine, p)[0] for k, p in PROMPTS.items()}
+    steps = tiny_engine.scheduler.stats.decode_steps
+    streams = {k: tiny_engine.submit(p, GREEDY, stop_ids=[]) for k, p in PROMPTS.items()}
+    assert {k: s.result(timeout=120) for k, s in streams.items()} == solo
+    # batched: about one step per token for all three together, not one per token per session
+    assert tiny_engine.scheduler.stats.decode_steps - steps <= GREEDY.max_new_tokens + 2 * len(PROMPTS)
 
 
 def test_threads_generating_at_once_equal_solo(tiny_engine):
@@ -60,69 +70,81 @@ def test_threads_generating_at_once_equal_solo(tiny_engine):
     assert not errors and results == solo
 
 
-def test_methods_are_repointed_only_when_the_session_changes(tiny_engine, monkeypatch):
+def test_methods_bind_weights_once_and_sessions_never_rebind(tiny_bundle, monkeypatch):
+    """State is passed by row on every call: nothing is re-pointed when the session changes."""
     binds = []
-    real = method_mod.Method.bind
-    monkeypatch.setattr(method_mod.Method, "bind", lambda self, w, s: (binds.append(self.name), real(self, w, s))[1])
-    a, b = tiny_engine.open_session(), tiny_engine.open_session()
-    tok = torch.tensor([3])
-    a.prefill([1, 2, 3])
-    a.decode(tok)
-    a.decode(tok)
-    a.decode(tok)
-    assert binds == ["prefill", "decode"]
-    b.decode(tok)
-    a.decode(tok)
-    a.decode(tok)
-    assert binds == ["prefill", "decode", "decode", "decode"]
+    real = method_mod.Method.bind_weights
+    monkeypatch.setattr(method_mod.Method, "bind_weights", lambda self, w: (binds.append(self.name), real(self, w))[1])
+    with onecopy.Engine.load(tiny_bundle) as engine:
+        assert sorted(binds) == ["decode", "prefill"]
+        a, b = engine.open_session(), engine.open_session()
+        tok = torch.tensor([3])
+        a.prefill([1, 2, 3])
+        b.decode(tok)
+        a.decode(tok)
+        list(b.generate_ids([4, 5], GREEDY))
+        assert sorted(binds) == ["decode", "prefill"]
 
 
-def test_state_is_allocated_at_open_and_counted_exactly(tiny_engine):
+def test_sessions_own_their_pool_row_and_it_is_counted_exactly(tiny_engine):
     expected = sum(s.nbytes for s in tiny_engine.manifest.state.values())
+    pool = tiny_engine._pool
     a = tiny_engine.open_session()
     assert a.state_bytes == expected == sum(t.numel() * t.element_size() for t in a.state.values())
-    assert tiny_engine.session_bytes >= expected and tiny_engine.session_bytes - expected < 256 * len(a.state)
     assert all(t.abs().sum() == 0 for t in a.state.values())  # zeros before any run
     b = tiny_engine.open_session()
-    ptrs_a = {t.data_ptr() for t in a.state.values()}
-    assert ptrs_a.isdisjoint(t.data_ptr() for t in b.state.values())
+    assert (a.row, b.row) == (0, 1)
+    for fqn, t in a.state.items():  # the session's state is exactly its row of the pool tensors
+        assert t.data_ptr() == pool.tensors[fqn][a.row].data_ptr() and t.shape == pool.tensors[fqn].shape[1:]
     r = tiny_engine.memory_report()
     assert (r.sessions_open, r.state_bytes, r.state_bytes_per_session) == (2, 2 * expected, expected)
-    b.close()
+    assert r.pool_rows == tiny_engine.max_sessions == 8 and r.pool_bytes >= 9 * expected
+    a.prefill([1, 2, 3])
+    a.close()
+    assert all(int(t[0].abs().sum()) == 0 for t in pool.tensors.values())  # zeroed when given back
     assert tiny_engine.memory_report().state_bytes == expected
+    assert tiny_engine.open_session().row == 0  # the lowest free row is reused
 
 
 def test_max_sessions_refusal_names_the_numbers(tiny_bundle):
     with onecopy.Engine.load(tiny_bundle, max_sessions=2) as e:
-        assert e.capacity() == 2
+        assert e.capacity() == 2 and e.memory_report().pool_sizing == "max_sessions=2"
         e.open_session()
         s = e.open_session()
         assert e.capacity() == 0
         with pytest.raises(onecopy.SessionCapacityError,
-                           match=rf"2 sessions are open, one more needs {e.session_bytes} bytes of state, and max_sessions=2"):
+                           match=rf"all 2 rows of the state pool are in use \(max_sessions=2; {e.session_bytes} bytes each\)"
+                                 r".*Close a session, or load the engine with a larger max_sessions"):
             e.open_session()
         s.close()
         assert e.capacity() == 1
         e.open_session()
 
 
-def test_memory_budget_sizes_capacity(tiny_bundle):
-    with onecopy.Engine.load(tiny_bundle, memory_budget=1) as e:
-        per = e.session_bytes
-    with onecopy.Engine.load(tiny_bundle, memory_budget=int(2.5 * per)) as e:
-        assert e.capacity() == 2
-        e.open_session(), e.open_session()
-        with pytest.raises(onecopy.SessionCapacityError, match=rf"only {per // 2} bytes are free for state"):
-            e.open_session()
+def test_memory_budget_sizes_the_pool(tiny_bundle):
+    with onecopy.Engine.load(tiny_bundle, max_sessions=1) as e:
+        per = e.session_bytes + 3 * e.vocab_size  # a row of state and of the sampler's tables
+    with pytest.raises(onecopy.SessionCapacityError, match=rf"no session fits: one needs {2 * per} bytes .*memory_budget=1 bytes"):
+        onecopy.Engine.load(tiny_bundle, memory_budget=1)
+    with onecopy.Engine.load(tiny_bundle, memory_budget=int(3.5 * per)) as e:
+        assert e.capacity() == 2 and "2 rows fit in memory_budget=" in e.memory_report().pool_sizing
+    with pytest.raises(onecopy.SessionCapacityError, match=r"max_sessions=5 needs .* leaves room for 2; ask for fewer"):
+        onecopy.Engine.load(tiny_bundle, memory_budget=int(3.5 * per), max_sessions=5)
 
 
-def test_capacity_follows_available_memory_after_the_reserve(tiny_engine):
-    from onecopy.runtime.memory import available_bytes
+def test_pool_sizing_rules(monkeypatch):
+    """CPU: 8 rows unless told; CUDA: a fraction of device memory, capped (like vLLM's gpu_memory_utilization)."""
+    from onecopy.runtime import engine as engine_mod
 
-    want = (available_bytes(tiny_engine.device) - tiny_engine.reserve_bytes) // tiny_engine.session_bytes
-    got = tiny_engine.capacity()
-    assert 0 < got and abs(got - want) <= want // 50  # MemAvailable moves a little between the two reads
-    assert tiny_engine.memory_report().capacity == pytest.approx(got, rel=0.02)
+    cpu = torch.device("cpu")
+    assert engine_mod.size_pool(1000, cpu, max_sessions=None, memory_budget=None, memory_fraction=0.9, reserve=0)[0] == 8
+    monkeypatch.setattr(engine_mod.torch.cuda, "mem_get_info", lambda d: (60 * 2**30, 80 * 2**30))
+    gpu = torch.device("cuda", 0)
+    rows, why = engine_mod.size_pool(2**30, gpu, max_sessions=None, memory_budget=None, memory_fraction=0.9, reserve=2**30)
+    # 0.9 * 80 GiB - 20 GiB in use - 1 GiB reserve = 51 GiB: 51 rows of 1 GiB, one of them scratch
+    assert rows == 50 and "0.90 of device memory" in why
+    rows, why = engine_mod.size_pool(2**20, gpu, max_sessions=None, memory_budget=None, memory_fraction=0.9, reserve=0)
+    assert rows == 256 and "capped at 256" in why
 
 
 def test_closed_session_errors(tiny_engine):
@@ -194,16 +216,12 @@ def test_restore_refuses_foreign_snapshots(tiny_engine, tmp_path):
         tiny_engine.open_session(restore=tmp_path / "plain.safetensors")
 
 
-def test_undeclared_state_fails_closed(tiny_bundle, tmp_path):
-    """A manifest that declares one KV buffer as a weight: sessions would share it, so capacity is 1."""
+def test_a_method_writing_a_constant_fails_closed(tiny_bundle, tmp_path):
+    """A bundle whose methods write a constant in place (never one onecopy exports): sessions would
+    share it, so capacity is 1 and every session starts from the constant's initial value."""
     bad = copy_bundle(tiny_bundle, tmp_path / "bad")
     m = json.loads((bad / "manifest.json").read_text())
-    fqn = "layers.1.attention.kv_cache.v_cache"
-    spec = m["state"].pop(fqn)
-    w = load_file(str(bad / "weights.safetensors"))
-    w[fqn] = torch.zeros(spec["shape"])
-    save_file(w, str(bad / "weights.safetensors"))
-    m["weights"][fqn] = {"shape": spec["shape"], "dtype": spec["dtype"], "sha256": sha256(tensor_bytes(w[fqn]))}
+    m["methods"]["decode"]["mutated_constants"] = ["norm.weight"]
     (bad / "manifest.json").write_text(json.dumps(m))
 
     with warnings.catch_warnings(record=True) as caught:
@@ -218,6 +236,6 @@ def test_undeclared_state_fails_closed(tiny_bundle, tmp_path):
             with pytest.raises(onecopy.SessionCapacityError, match="capacity is 1"):
                 engine.open_session()
             assert list(s.generate_ids(PROMPTS["A"], GREEDY, stop_ids=[])) == want
-        # The next session starts from clean state although the buffer lives in the store.
-        with engine.open_session() as s:
+            engine.weights.get("norm.weight").mul_(2.0)  # what an in-place write would leave behind
+        with engine.open_session() as s:  # the next session starts from the constant's initial value
             assert list(s.generate_ids(PROMPTS["A"], GREEDY, stop_ids=[])) == want

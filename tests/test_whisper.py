@@ -11,7 +11,7 @@ import torch
 import onecopy
 from onecopy.audio import AudioError, LogMel, load_audio, read_wav, resample
 from onecopy.runtime import method as method_mod
-from onecopy.transcribe import Transcriber, transcribe_file
+from onecopy.transcribe import Transcriber, transcribe_file, transcribe_files
 
 from .conftest import SPOKEN, HostReads
 
@@ -56,8 +56,9 @@ def test_transcript_matches_transformers_token_for_token(whisper_bundle, whisper
             assert w in words, tr.text
 
 
-def test_encoder_runs_once_per_window_and_its_output_stays_put(whisper_bundle, speech_wav, monkeypatch, tmp_path):
-    """41 s of audio = two windows: two encoder calls; every decoder step reads the kept tensor itself."""
+def test_encoder_runs_once_per_window_and_its_output_stays_put(whisper_bundle, speech_wav, monkeypatch):
+    """41 s of audio = two windows: two encoder calls, each writing its cross K/V into the window's
+    pool row, which every decoder step reads in place; only the chosen ids reach the host."""
     samples = load_audio(speech_wav)
     silence = np.zeros(16000 * 34, dtype=np.float32)
     long = np.concatenate([samples, silence, samples])
@@ -68,22 +69,33 @@ def test_encoder_runs_once_per_window_and_its_output_stays_put(whisper_bundle, s
                         lambda self, *a: (calls.append((self.name, [x.data_ptr() for x in a])), real(self, *a))[1])
     with onecopy.Engine.load(whisper_bundle) as engine:
         t = Transcriber(engine)
-        kept = []
-        real_keep = onecopy.Session.keep
-        monkeypatch.setattr(onecopy.Session, "keep", lambda self, n, x: (kept.append(x), real_keep(self, n, x))[1])
+        cross = [engine._pool.tensors[f].data_ptr() for f in engine.method("encoder").spec.state]
         reads = HostReads(monkeypatch)
         tr = t.transcribe(long)
+        monkeypatch.undo()
+        steps = engine.scheduler.stats.decode_steps
     encoder_calls = [c for c in calls if c[0] == "encoder"]
-    assert len(encoder_calls) == 2 and len(kept) == 2
+    assert len(encoder_calls) == 2 and all(c[1][-len(cross):] == cross for c in encoder_calls)
     assert tr.text.lower().count("fox") == 2
-    kept_ptrs = {x.data_ptr() for x in kept}
-    decoder_kv = [c[1][2] for c in calls if c[0] == "decoder"]
-    assert decoder_kv and set(decoder_kv) == kept_ptrs  # no copy of the encoder output, ever
-    assert all(x.device.type == engine.device.type for x in kept)
-    assert not any(ptr in kept_ptrs for _, _, _, ptr in reads.reads)  # never read back to the host
-    # Only chosen token ids cross: one 1-element int64 read per generated token or eos.
-    n_steps = sum(len(w) + 1 for w in tr.window_tokens)
-    assert [(n, k, d) for n, k, d, _ in reads.reads] == [("item", 1, torch.int64)] * n_steps
+    decoder_calls = [c for c in calls if c[0] == "decoder"]
+    assert decoder_calls and all(c[1][-len(cross):] == cross for c in decoder_calls)  # the pool itself, no copy
+    assert not any(ptr in cross for _, _, _, ptr in reads.reads)  # never read back to the host
+    # Only chosen ids cross: one read per step that sampled, of the ids of the windows in that step.
+    assert {(n, d) for n, _, d, _ in reads.reads} == {("tolist", torch.int64)}
+    assert sum(k for _, k, _, _ in reads.reads) == sum(len(w) + 1 for w in tr.window_tokens)  # ids and eos
+    assert len(reads.reads) <= steps < sum(len(w) + 4 for w in tr.window_tokens)  # both windows batched
+
+
+def test_several_files_transcribe_as_concurrent_sessions(whisper_bundle, speech_wav, tmp_path):
+    """Three files at once: each transcript equals the file's own, and decoder steps are shared."""
+    with onecopy.Engine.load(whisper_bundle) as engine:
+        alone = transcribe_file(engine, speech_wav)
+        steps_alone = engine.scheduler.stats.decode_steps
+        together = transcribe_files(engine, [speech_wav] * 3)
+        steps_together = engine.scheduler.stats.decode_steps - steps_alone
+        assert [t.window_tokens for t in together] == [alone.window_tokens] * 3
+        assert steps_together < 1.5 * steps_alone  # one batched step serves all three
+        assert engine.sessions_open == 0 and engine.capacity() == engine.max_sessions
 
 
 def test_cli_transcribe(whisper_bundle, speech_wav):
@@ -91,12 +103,22 @@ def test_cli_transcribe(whisper_bundle, speech_wav):
                         str(speech_wav)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "lazy dog" in r.stdout.lower()
+    r = subprocess.run([sys.executable, "-m", "onecopy.cli", "transcribe", "--bundle", str(whisper_bundle),
+                        str(speech_wav), str(speech_wav)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith(f"{speech_wav}: ") and "lazy dog" in line.lower() for line in lines)
 
 
 def test_whisper_bundle_shares_weights_and_declares_the_decoder_cache(whisper_bundle):
     with onecopy.Engine.load(whisper_bundle) as engine:
         assert engine.methods == ["encoder", "decoder"]
-        assert engine.method("encoder").state_fqns == [] and len(engine.method("decoder").state_fqns) == 8
+        enc, dec = engine.method("encoder").spec, engine.method("decoder").spec
+        cross = [f for f in engine.manifest.state if ".encoder_attn." in f]
+        own = [f for f in engine.manifest.state if ".self_attn." in f]
+        assert len(cross) == len(own) == 8
+        assert (enc.role, enc.state, enc.writes) == ("encode", cross, sorted(cross))  # writes cross K/V only
+        assert (dec.role, dec.state, dec.writes) == ("decode", own + cross, sorted(own))  # reads it, writes its cache
         r = engine.memory_report()
         assert r.duplicated_weight_bytes == 0 and r.resident_weight_bytes == r.unique_weight_bytes
 

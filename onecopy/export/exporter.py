@@ -95,19 +95,21 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
         bar.done()  # the source is read
         (tmp / "methods").mkdir(parents=True)
         cxx = pick_cxx()
-        specs, mutated = {}, set()
         declared = set(model.state_fqns())
-        for name in methods:
+        exported = {}
+        for name in methods:  # every method is traced (and checked) before any is compiled
             bar.step(f"export {name}")
-            ep, method_mutates = _export_method(available[name], name, declared)
-            mutated |= method_mutates
+            exported[name] = _export_method(available[name], name, declared)
             bar.done()
-            bar.step(f"compile {name}")
-            specs[name] = _compile_method(ep, available[name], name, tmp, cxx, name in embed_weights, method_mutates)
-            bar.done()
-        if mutated != declared and set(methods) == set(available):
-            raise ExportError(f"the methods never write the declared state {sorted(declared - mutated)[:4]}; "
+        written = {f for _, writes in exported.values() for f in writes}
+        if written != declared and set(methods) == set(available):
+            raise ExportError(f"the methods never write the declared state {sorted(declared - written)[:4]}; "
                               "refusing to write a bundle whose state declaration is wrong")
+        specs = {}
+        for name, (ep, writes) in exported.items():
+            bar.step(f"compile {name}")
+            specs[name] = _compile_method(ep, available[name], name, tmp, cxx, name in embed_weights, writes)
+            bar.done()
         bar.step("write bundle")
         _write_bundle(tmp, src, model, specs, max_seq_len, dtype, device, cxx)
         bar.done()
@@ -125,20 +127,35 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
 
 
 def _export_method(method: MethodDef, name: str, declared: set[str]) -> tuple[torch.export.ExportedProgram, set[str]]:
+    """torch.export one method; returns it and the state FQNs it writes in place.
+
+    Every in-place write must land in a declared state pool passed as an input: a write into a
+    constant (a buffer) would be shared by every session, and a write into another input is a bug.
+    """
+    undeclared = sorted(set(method.state) - declared)
+    if undeclared:
+        raise ExportError(f"method {name!r} takes state {undeclared[:4]} beyond the declared state; "
+                          "refusing to write a bundle whose sessions would share state")
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ep = torch.export.export(method.module, method.args, dynamic_shapes=method.dynamic_shapes, strict=False)
-        # torch keeps in-place buffer writes in the graph; the decomposed signature names them.
-        mutated = set(ep.run_decompositions().graph_signature.buffers_to_mutate.values())
-    if not mutated <= declared:
-        raise ExportError(
-            f"method {name!r} mutates {sorted(mutated - declared)[:4]} beyond the declared state; "
-            "refusing to write a bundle whose sessions would share state")
-    return ep, mutated
+        # torch keeps in-place writes in the graph; the decomposed signature names them.
+        sig = ep.run_decompositions().graph_signature
+    if sig.buffers_to_mutate:
+        raise ExportError(f"method {name!r} mutates the buffers {sorted(sig.buffers_to_mutate.values())[:4]} in place; "
+                          "state must be declared and passed as a pool (state_specs), or sessions would share it")
+    n_user = len(method.args) - len(method.state)  # user inputs and rows come first, then the pools
+    writes = set()
+    for input_name in sig.user_inputs_to_mutate.values():
+        i = sig.user_inputs.index(input_name)
+        if i < n_user:
+            raise ExportError(f"method {name!r} writes into its input #{i} in place; only state pools may be written")
+        writes.add(method.state[i - n_user])
+    return ep, writes
 
 
 def _compile_method(ep: torch.export.ExportedProgram, method: MethodDef, name: str, tmp: Path, cxx: str, embed: bool,
-                    mutated: set[str]) -> MethodSpec:
+                    writes: set[str]) -> MethodSpec:
     pkg = tmp / "methods" / f"{name}.pt2"
     configs: dict = {"cpp.cxx": (cxx,)}
     if not embed:
@@ -150,19 +167,18 @@ def _compile_method(ep: torch.export.ExportedProgram, method: MethodDef, name: s
     constants = sorted(torch._inductor.aoti_load_package(str(pkg)).get_constant_fqns())
     return MethodSpec(name=name, package=f"methods/{name}.pt2", package_sha256=sha256(pkg.read_bytes()),
                       weights="embedded" if embed else "external", inputs=method.inputs, constants=constants,
-                      state=sorted(mutated))
+                      state=list(method.state), writes=sorted(writes), role=method.role)
 
 
 def _write_bundle(tmp: Path, src: ModelSource, model: torch.nn.Module, specs: dict[str, MethodSpec], max_seq_len: int,
                   dtype: torch.dtype, device: str, cxx: str) -> None:
     from safetensors.torch import save_file
 
-    state_fqns = set(model.state_fqns())
     tensors = model.state_dict()  # tied weights appear once: the models reuse the embedding, no alias FQN
-    weights = {k: v.detach().contiguous().cpu() for k, v in tensors.items() if k not in state_fqns}
+    weights = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     save_file(weights, str(tmp / WEIGHTS))
-    state = {k: TensorSpec(shape=list(v.shape), dtype=dtype_name(v.dtype), init="zeros")
-             for k, v in tensors.items() if k in state_fqns}
+    state = {k: TensorSpec(shape=list(shape), dtype=dtype_name(dt), init="zeros")
+             for k, (shape, dt) in model.state_specs().items()}
     (tmp / TOKENIZER).write_text(src.tokenizer_json)
     manifest = Manifest(
         family=src.family, config=src.config.to_dict(), max_seq_len=max_seq_len, dtype=dtype_name(dtype),

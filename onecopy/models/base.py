@@ -3,29 +3,78 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from ..bundle import InputSpec
 
+MAX_BATCH = 1024  # most sessions one decode call takes
+MAX_POOL_ROWS = 1 << 16  # most state-pool rows a method accepts
+# Example sizes for export: all different, so no two dynamic dims are unified by accident.
+EXAMPLE_BATCH, EXAMPLE_POOL_ROWS = 2, 3
+
 
 @dataclass
 class MethodDef:
-    """What the exporter needs for one method: a module whose forward is the method, and inputs."""
+    """What the exporter needs for one method: a module whose forward is the method, and inputs.
+
+    ``args`` are the example inputs (the user inputs, then rows, then one pool per ``state`` FQN);
+    ``inputs`` describes the user inputs only.
+    """
 
     module: nn.Module
     args: tuple[torch.Tensor, ...]
     dynamic_shapes: tuple
     inputs: list[InputSpec]
+    role: str
+    state: list[str] = field(default_factory=list)
 
 
-def as_method(module: nn.Module, fn: Any) -> nn.Module:
+def as_method(module: nn.Module, fn: Callable[..., Any]) -> nn.Module:
     """A shallow view of ``module`` whose forward is ``fn``: same parameters, same FQNs."""
     view = copy.copy(module)
     view.__class__ = type(f"{type(module).__name__}_{fn.__name__}", (type(module),), {"forward": fn})
     return view
 
 
+def example_pools(specs: dict[str, tuple[list[int], torch.dtype]], fqns: list[str], device: str) -> tuple:
+    """Example pool tensors [EXAMPLE_POOL_ROWS, *shape] and their dynamic leading dim."""
+    rows = torch.export.Dim("pool_rows", min=2, max=MAX_POOL_ROWS)
+    pools = tuple(torch.zeros(EXAMPLE_POOL_ROWS, *specs[f][0], dtype=specs[f][1], device=device) for f in fqns)
+    return pools, tuple({0: rows} for _ in fqns)
+
+
+def pooled_methods(specs: dict[str, tuple[list[int], torch.dtype]], max_seq_len: int, device: str,
+                   methods: dict[str, tuple[nn.Module, str]], vocab: list[int]) -> dict[str, MethodDef]:
+    """MethodDefs for token methods of the two standard roles, every state pool passed to each.
+
+    decode(tokens[B, 1], input_pos[B], rows[B], *pools); prefill(tokens[1, T], input_pos[T], rows[1], *pools).
+    """
+    fqns = list(specs)
+    pools, pool_dims = example_pools(specs, fqns, device)
+    long = dict(dtype=torch.long, device=device)
+    positions = [0, max_seq_len]
+    out: dict[str, MethodDef] = {}
+    for name, (module, role) in methods.items():
+        if role == "decode":
+            b = torch.export.Dim("batch", min=1, max=MAX_BATCH)
+            dyn = {"min": 1, "max": MAX_BATCH}
+            args = (torch.zeros(EXAMPLE_BATCH, 1, **long), torch.zeros(EXAMPLE_BATCH, **long),
+                    torch.tensor([0, 1], **long))
+            shapes = ({0: b}, {0: b}, {0: b})
+            inputs = [InputSpec("tokens", "int64", [dyn, 1], vocab), InputSpec("input_pos", "int64", [dyn], positions)]
+        elif role == "prefill":
+            if max_seq_len < 2:
+                continue  # nothing to chunk: prompts go through decode
+            t = torch.export.Dim("seq_len", min=1, max=max_seq_len)
+            dyn = {"min": 1, "max": max_seq_len}
+            args = (torch.zeros(1, 2, **long), torch.arange(2, **long), torch.zeros(1, **long))
+            shapes = ({1: t}, {0: t}, {})
+            inputs = [InputSpec("tokens", "int64", [1, dyn], vocab), InputSpec("input_pos", "int64", [dyn], positions)]
+        else:
+            raise ValueError(f"pooled_methods makes decode and prefill methods, not {role!r}")
+        out[name] = MethodDef(module, args + pools, shapes + (pool_dims,), inputs, role, fqns)  # *pools: one entry
+    return out

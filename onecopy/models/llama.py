@@ -1,9 +1,10 @@
 """A compact Llama-family decoder: Llama 2/3, Qwen2 (qkv bias), Qwen3 (q/k norm), SmolLM.
 
 One module, gpt-fast style: q/k/v fused into ``wqkv`` and gate/up into ``w13`` (fewer,
-larger GEMVs per step), the KV cache as registered buffers written in place, and a single
-``forward(tokens, input_pos)`` that serves both prefill (dynamic length) and decode (one
-token). It returns only the last position's logits: generation never needs the others.
+larger GEMVs per step). The KV cache is not a module buffer: it is a state pool with one row per
+session that the runtime passes in, with the rows a call works on (see `attention`). Two methods:
+a batched ``decode`` (one token for each of B sessions) and a one-session ``prefill`` chunk. Both
+return only the last position's logits: generation never needs the others.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..bundle import InputSpec
-from .base import MethodDef
+from .attention import chunk_attention, pooled_attention, row_view, write_rows
+from .base import MethodDef, as_method, pooled_methods
 
 
 @dataclass
@@ -112,28 +113,13 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-class KVCache(nn.Module):
-    """Batch-1 KV cache: buffers the compiled methods mutate in place (session state)."""
-
-    def __init__(self, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        shape = (1, n_kv_heads, max_seq_len, head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype))
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype))
-
-    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k_cache[:, :, input_pos] = k
-        self.v_cache[:, :, input_pos] = v
-        return self.k_cache, self.v_cache
-
-
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, max_seq_len: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         qkv_out = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
@@ -143,25 +129,30 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
-        self.kv_cache = KVCache(cfg.n_kv_heads, max_seq_len, cfg.head_dim, dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
-        bsz, seqlen, _ = x.shape
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: "Step",
+                k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+        """x: [N, T, dim] with N sessions of T tokens each (decode: T = 1; prefill: N = 1)."""
+        n, t, _ = x.shape
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(bsz, seqlen, self.n_heads, self.head_dim)
-        k = k.view(bsz, seqlen, self.n_kv_heads, self.head_dim)
-        v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        q = q.view(n, t, self.n_heads, self.head_dim)
+        k = k.view(n, t, self.n_kv_heads, self.head_dim)
+        v = v.view(n, t, self.n_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        q = q * cos + rotate_half(q) * sin
+        q = q * cos + rotate_half(q) * sin  # cos, sin: [N or 1, T, 1, D]
         k = k * cos + rotate_half(k) * sin
-        k_all, v_all = self.kv_cache.update(input_pos, k, v)
-        y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
-                                           enable_gqa=self.n_heads != self.n_kv_heads)
-        return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, q_size))
+        if step.decode:
+            write_rows(k_pool, step.rows, step.input_pos, k[:, 0])
+            write_rows(v_pool, step.rows, step.input_pos, v[:, 0])
+            y = pooled_attention(q[:, 0], k_pool, v_pool, step.rows, step.input_pos + 1)[:, None]
+        else:
+            write_rows(k_pool, step.rows, step.input_pos, k[0])
+            write_rows(v_pool, step.rows, step.input_pos, v[0])
+            y = chunk_attention(q.transpose(1, 2), row_view(k_pool, step.rows), row_view(v_pool, step.rows),
+                                step.input_pos).transpose(1, 2)
+        return self.wo(y.reshape(n, t, q_size))
 
 
 class FeedForward(nn.Module):
@@ -177,27 +168,44 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig, max_seq_len: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
-        self.attention = Attention(cfg, max_seq_len, dtype)
+        self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, input_pos, mask)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: "Step", k_pool: torch.Tensor,
+                v_pool: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, step, k_pool, v_pool)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+@dataclass
+class Step:
+    """What one method call works on: the pool rows, the positions written, and the kind of call."""
+
+    rows: torch.Tensor  # decode: [B], one per session; prefill: [1]
+    input_pos: torch.Tensor  # decode: [B]; prefill: [T]
+    decode: bool
+
+
 class Transformer(nn.Module):
-    """``forward(tokens[1, T] int64, input_pos[T] int64) -> logits[1, vocab]`` of the last position."""
+    """Llama-family decoder whose KV cache is a state pool passed in by the runtime.
+
+    ``decode(tokens[B, 1], input_pos[B], rows[B], *pools) -> logits[B, vocab]``: one token for each
+    of B sessions; ``prefill(tokens[1, T], input_pos[T], rows[1], *pools) -> logits[1, vocab]``: a
+    chunk of one session's prompt (only the last position's logits: generation needs no others).
+    ``pools`` are the `state_fqns` tensors in order, each [P, n_kv_heads, max_seq_len, head_dim].
+    Calling the module itself (``model(tokens, input_pos)``) prefills one session whose state the
+    module keeps: the eager reference the tests compare against.
+    """
 
     def __init__(self, cfg: LlamaConfig, max_seq_len: int, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.config, self.max_seq_len = cfg, max_seq_len
+        self.config, self.max_seq_len, self.dtype = cfg, max_seq_len, dtype
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg, max_seq_len, dtype) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
         if not cfg.tie_embeddings:
             self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
@@ -205,39 +213,62 @@ class Transformer(nn.Module):
         self.register_buffer("rope_inv_freq", inv_freq)
         self.to(dtype)
         self.rope_inv_freq.data = inv_freq  # RoPE angles stay in fp32 whatever the model dtype
+        self._eager_state: list[torch.Tensor] | None = None  # a one-session pool for eager calls (not a buffer)
+
+    def state_specs(self) -> dict[str, tuple[list[int], torch.dtype]]:
+        """Each state tensor's per-session shape and dtype: every layer's K and V cache."""
+        shape = [self.config.n_kv_heads, self.max_seq_len, self.config.head_dim]
+        return {f"layers.{i}.attention.{n}": (shape, self.dtype) for i in range(len(self.layers))
+                for n in ("k_cache", "v_cache")}
 
     def state_fqns(self) -> list[str]:
-        """FQNs of the buffers the forward mutates in place: the per-session state."""
-        return [f"layers.{i}.attention.kv_cache.{n}" for i in range(len(self.layers)) for n in ("k_cache", "v_cache")]
+        return list(self.state_specs())
 
-    def export_methods(self, max_seq_len: int, device: str) -> dict[str, MethodDef]:
-        """prefill: dynamic length 2..max_seq_len; decode: one token (static shape, graph-friendly)."""
-        long = dict(dtype=torch.long, device=device)
-        n = min(8, max_seq_len)
-        seq = torch.export.Dim("seq_len", min=2, max=max_seq_len)
-        dim = {"min": 2, "max": max_seq_len}
-        methods = {"decode": MethodDef(self, (torch.zeros(1, 1, **long), torch.zeros(1, **long)), ({}, {}),
-                                       [InputSpec("tokens", "int64", [1, 1]), InputSpec("input_pos", "int64", [1])])}
-        if max_seq_len >= 2:
-            methods["prefill"] = MethodDef(self, (torch.zeros(1, n, **long), torch.arange(n, device=device)),
-                                           ({1: seq}, {0: seq}),
-                                           [InputSpec("tokens", "int64", [1, dim]), InputSpec("input_pos", "int64", [dim])])
-        return {k: methods[k] for k in ("prefill", "decode") if k in methods}
-
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        x = self.tok_embeddings(tokens)
-        # RoPE angles computed from positions in fp32, as transformers does.
-        freqs = input_pos.float()[:, None] * self.rope_inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scale).to(x.dtype)
-        sin = (emb.sin() * self.rope_scale).to(x.dtype)
-        mask = input_pos[:, None] >= torch.arange(self.max_seq_len, device=tokens.device)[None, :]
-        for layer in self.layers:
-            x = layer(x, cos, sin, input_pos, mask)
-        x = self.norm(x[:, -1, :])
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x)
         if self.config.tie_embeddings:
             return F.linear(x, self.tok_embeddings.weight)
         return self.output(x)
+
+    def _run(self, tokens: torch.Tensor, step: Step, pools: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        # RoPE angles computed from positions in fp32, as transformers does.
+        freqs = step.input_pos.float()[:, None] * self.rope_inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scale).to(x.dtype)
+        sin = (emb.sin() * self.rope_scale).to(x.dtype)
+        # decode: one position per session [B, 1, 1, D]; prefill: T positions of one session [1, T, 1, D]
+        cos, sin = (c[:, None, None, :] if step.decode else c[None, :, None, :] for c in (cos, sin))
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, step, pools[2 * i], pools[2 * i + 1])
+        return self._logits(x[:, -1, :])
+
+    def decode(self, tokens: torch.Tensor, input_pos: torch.Tensor, rows: torch.Tensor,
+               *pools: torch.Tensor) -> torch.Tensor:
+        return self._run(tokens, Step(rows, input_pos, decode=True), pools)
+
+    def prefill(self, tokens: torch.Tensor, input_pos: torch.Tensor, rows: torch.Tensor,
+                *pools: torch.Tensor) -> torch.Tensor:
+        return self._run(tokens, Step(rows, input_pos, decode=False), pools)
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """Eager: feed ``tokens[1, T]`` at ``input_pos[T]`` to the module's own single session."""
+        if self._eager_state is None:
+            self._eager_state = [torch.zeros(1, *shape, dtype=dtype, device=tokens.device)
+                                 for shape, dtype in self.state_specs().values()]
+        row = torch.zeros(1, dtype=torch.long, device=tokens.device)
+        if tokens.shape[1] == 1:
+            return self.decode(tokens, input_pos, row, *self._eager_state)
+        return self.prefill(tokens, input_pos, row, *self._eager_state)
+
+    def export_methods(self, max_seq_len: int, device: str) -> dict[str, MethodDef]:
+        """decode: B sessions x one token (B dynamic, graph-friendly per batch size); prefill: one
+        session's chunk of 1..max_seq_len tokens. Both take the rows and the state pools."""
+        vocab = [0, self.config.vocab_size]
+        return pooled_methods(self.state_specs(), max_seq_len, device, {
+            "prefill": (as_method(self, Transformer.prefill), "prefill"),
+            "decode": (as_method(self, Transformer.decode), "decode"),
+        }, vocab)
 
 
 @dataclass

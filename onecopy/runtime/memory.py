@@ -34,7 +34,9 @@ def available_bytes(device: torch.device) -> int:
 
 
 def _mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**20:,.1f} MiB"
+    if n is None:
+        return "-"
+    return f"{n / 2**20:,.1f} MiB" if abs(n) >= 2**20 else f"{n / 2**10:,.1f} KiB"
 
 
 @dataclass
@@ -45,34 +47,41 @@ class MemoryReport:
     unique_weight_bytes: int  # every weight FQN any method needs, counted once
     resident_weight_bytes: int  # weights really held: the store plus copies inside embedded packages
     duplicated_weight_bytes: int  # resident minus unique: 0 when every method shares the store
-    state_bytes: int  # state of all open sessions
+    state_bytes: int  # state rows of the open sessions
     sessions_open: int
-    state_bytes_per_session: int
+    state_bytes_per_session: int  # one pool row
     device_used_bytes: int  # growth of device use since just before the Engine loaded (device-level)
     device_total_used_bytes: int  # device use now, whoever holds it
-    capacity: int  # sessions that can still be opened
-    graph_slots: int = 0  # captured decode graphs (one per session slot)
-    free_graph_slots: int = 0
-    graph_bytes: int = 0  # device bytes the slots cost beyond their state (runners + graphs)
+    capacity: int  # sessions that can still be opened (free pool rows)
+    pool_rows: int = 0  # sessions the state pool holds (plus one scratch row)
+    pool_bytes: int = 0  # the whole pool, allocated at load
+    pool_sizing: str = ""  # why the pool has that many rows
+    sampler_bytes: int = 0  # per-row sampling tables (repetition penalty, suppressed ids)
+    graph_buckets: list[int] = field(default_factory=list)  # batch sizes with a captured decode graph
+    graph_bytes: int = 0  # device bytes of the captured graphs and their runners (measured at capture)
     workspace_bytes: int = 0  # named static buffers
+    deterministic: bool = False
     notes: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
+        buckets = ",".join(map(str, self.graph_buckets)) or "none"
         rows = [
             ("device", self.device),
             ("unique weights", _mib(self.unique_weight_bytes)),
             ("resident weights", _mib(self.resident_weight_bytes)),
             ("duplicated weights", _mib(self.duplicated_weight_bytes)),
-            ("sessions open", str(self.sessions_open)),
+            ("state pool", f"{self.pool_rows} rows + scratch, {_mib(self.pool_bytes)}"),
             ("state per session", _mib(self.state_bytes_per_session)),
-            ("state (all sessions)", _mib(self.state_bytes)),
+            ("sessions open", str(self.sessions_open)),
             ("sessions that still fit", str(self.capacity)),
-            ("graph slots (free)", f"{self.graph_slots} ({self.free_graph_slots})"),
+            ("decode graphs (batch sizes)", buckets),
             ("graphs + runners", _mib(self.graph_bytes)),
-            ("workspace", _mib(self.workspace_bytes)),
+            ("workspace + sampler", _mib(self.workspace_bytes + self.sampler_bytes)),
             ("device used by engine", _mib(self.device_used_bytes)),
             ("device used (total)", _mib(self.device_total_used_bytes)),
         ]
         w = max(len(k) for k, _ in rows)
-        lines = [f"{k:<{w}}  {v:>14}" for k, v in rows] + [f"note: {n}" for n in self.notes]
-        return "\n".join(lines)
+        lines = [f"{k:<{w}}  {v:>14}" for k, v in rows] + [f"pool sizing: {self.pool_sizing}"]
+        if self.deterministic:
+            lines.append("deterministic: every decode step runs at the full pool size")
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])

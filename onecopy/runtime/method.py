@@ -1,4 +1,8 @@
-"""One compiled method (an AOTInductor package) bound to the engine's weights and a session's state."""
+"""One compiled method (an AOTInductor package), its weights bound once from the engine's store.
+
+The package takes its user inputs, then the rows it works on, then the state pools. State is
+never bound as a constant: every call names its rows, so nothing is re-pointed between sessions.
+"""
 
 from __future__ import annotations
 
@@ -12,30 +16,28 @@ from ..errors import CoverageError, InputError
 from ..export.toolchain import check_package_loadable
 from .weights import WeightStore
 
+_RANGE_HINTS = {"tokens": "token ids must lie in the vocabulary", "input_pos": "positions must lie below max_seq_len"}
+
 
 class Method:
-    """A loaded package. Weightless packages get every constant from outside (user-managed)."""
+    """A loaded package. Weightless packages get every constant from the store (user-managed)."""
 
-    def __init__(self, spec: MethodSpec, package: Path, device: torch.device, state_fqns: set[str]) -> None:
-        """Load ``package``; ``state_fqns`` are the bundle's declared per-session state FQNs."""
+    def __init__(self, spec: MethodSpec, package: Path, device: torch.device) -> None:
         check_package_loadable(package)
         self.spec, self.device = spec, device
-        self.state_fqns = [c for c in spec.constants if c in state_fqns]
-        self.weight_fqns = [c for c in spec.constants if c not in state_fqns]
-        self.bound_session: int | None = None  # id of the session whose state the runner points at
+        self.weight_fqns = list(spec.constants)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self._compiled = torch._inductor.aoti_load_package(str(package))
         found, declared = set(self._compiled.get_constant_fqns()), set(spec.constants)
-        # A package with its own constants may fold some away; it must still expose its state to rebind.
-        ok = found == declared if spec.weights == "external" else (set(self.state_fqns) <= found <= declared)
+        # A package with its own constants may fold some away; a weightless one must match exactly.
+        ok = found == declared if spec.weights == "external" else found <= declared
         if not ok:
             self.close()
             raise CoverageError(
                 f"method {spec.name!r}: the package needs constants {sorted(found ^ declared)[:5]} that the "
                 "manifest does not declare (or the reverse); the package and manifest are from different exports: export again")
         self._run = self._compiled.loader.boxed_run  # skips the pytree work of AOTICompiledModel.__call__
-        self.weights_bound = False
         self.bound: dict[str, int] = {}  # fqn -> data_ptr of what the runner reads (for accounting and tests)
 
     @property
@@ -43,24 +45,27 @@ class Method:
         return self.spec.name
 
     @property
+    def role(self) -> str:
+        return self.spec.role
+
+    @property
     def embeds_weights(self) -> bool:
         return self.spec.weights == "embedded"
 
-    def bind(self, store: WeightStore, state: dict[str, torch.Tensor]) -> None:
-        """Point the runner at ``state`` (and, the first time, at the shared weights in ``store``)."""
-        state = {k: state[k] for k in self.state_fqns}
+    def bind_weights(self, store: WeightStore) -> None:
+        """Point the runner at the shared weights (once; embedded packages keep their own)."""
         if self.embeds_weights:
-            self._compiled.load_constants(state, check_full_update=False, user_managed=True)
-        elif not self.weights_bound:
-            weights = store.as_map(self.weight_fqns)  # only the first bind needs them: later ones re-point state
-            self._compiled.load_constants({**weights, **state}, check_full_update=True, user_managed=True)
-            self.weights_bound = True
-            self.bound.update({k: v.data_ptr() for k, v in weights.items()})
-        else:
-            self._compiled.load_constants(state, check_full_update=False, user_managed=True)
-        self.bound.update({k: v.data_ptr() for k, v in state.items()})
+            return
+        weights = store.as_map(self.weight_fqns)
+        self._compiled.load_constants(weights, check_full_update=True, user_managed=True)
+        self.bound = {k: v.data_ptr() for k, v in weights.items()}
 
     def check_inputs(self, args: tuple[torch.Tensor, ...]) -> None:
+        """Count, dtype, device, shape and value range of the user inputs; InputError before any kernel runs.
+
+        Value ranges (token ids, positions) are read on the host: for device tensors that is one
+        small copy, paid only on this checked path (the scheduler feeds ids it validated itself).
+        """
         specs = self.spec.inputs
         if len(args) != len(specs):
             raise InputError(f"{self.name} takes {len(specs)} inputs ({', '.join(s.name for s in specs)}), got {len(args)}")
@@ -76,8 +81,20 @@ class Method:
                 for d, want in zip(a.shape, s.shape))
             if not ok:
                 raise InputError(f"{self.name} input {s.name!r} has shape {list(a.shape)}, compiled for {s.shape}")
+        batch = {a.shape[0] for a, s in zip(args, specs) if isinstance(s.shape[0], dict)}
+        if self.role == "decode" and len(batch) > 1:
+            raise InputError(f"{self.name} inputs disagree on the batch size: {sorted(batch)}; give one entry per session")
+        for a, s in zip(args, specs):
+            if s.range is not None and a.numel():
+                lo, hi = (int(v) for v in torch.aminmax(a.detach()))
+                if lo < s.range[0] or hi >= s.range[1]:
+                    bad = lo if lo < s.range[0] else hi
+                    hint = _RANGE_HINTS.get(s.name, "each value must lie in the range")
+                    raise InputError(f"{self.name} input {s.name!r} holds {bad}, outside [{s.range[0]}, {s.range[1]}): "
+                                     f"{hint}")
 
-    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
+        """Run with (user inputs..., rows, *pools); one output is returned as is, several as a list."""
         out = self._run(list(args))
         return out[0] if len(out) == 1 else out
 

@@ -1,4 +1,4 @@
-"""A session: one conversation's own state on the device, run through the engine's shared methods."""
+"""A session: one conversation's own row of the engine's state pool, on the device."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import InputError, PromptTooLongError, SessionClosedError
-from ..sampling import Sampler, SamplingParams
-from .state import SessionSnapshot, SessionState
+from ..sampling import SamplingParams
+from .state import SessionSnapshot
 
 if TYPE_CHECKING:
     from .engine import Engine
+    from .scheduler import TokenStream
 
 
 @dataclass(frozen=True)
@@ -33,43 +34,51 @@ class Token:
 
 
 class Session:
-    """Owns exactly one copy of the model's mutable state. Use as a context manager or call close().
+    """Owns exactly one row of every state tensor. Use as a context manager or call close().
 
-    Create with `Engine.open_session`. Different sessions may be driven from different threads at
-    once (the engine serializes method calls and re-points the compiled methods when another
-    session ran last); one session is driven by one thread at a time.
+    Create with `Engine.open_session`. Generation (`generate`, `generate_ids`, `submit`) goes
+    through the engine's scheduler, batched with every other session; the direct calls (`run`,
+    `prefill`, `decode`) run one method for this session alone. Different sessions may be used
+    from different threads at once; one session runs one request at a time.
     """
 
-    def __init__(self, engine: "Engine", session_id: int, state: SessionState) -> None:
-        self.engine, self.id, self._state = engine, session_id, state
+    def __init__(self, engine: "Engine", session_id: int, row: int) -> None:
+        self.engine, self.id, self.row = engine, session_id, row
         self.position = 0  # tokens already in the state (next write position)
         self.closed = False
-        self._slot = None  # the GraphSlot this session borrows when the engine uses CUDA graphs
-        self._kept: dict[str, torch.Tensor] = {}  # named device slots (e.g. an encoder output)
+        self._kept: dict[str, torch.Tensor] = {}  # named device slots
+        self._stream: "TokenStream | None" = None  # the request running on this session, if any
 
     @property
     def state(self) -> dict[str, torch.Tensor]:
-        """This session's state tensors by FQN (views of one device buffer)."""
-        return self._state.tensors
+        """This session's state tensors by FQN: views of its row of the pool."""
+        self._check_open()
+        return self.engine._pool.row(self.row)
 
     @property
     def state_bytes(self) -> int:
-        """Sum of this session's state tensor bytes."""
-        return sum(t.numel() * t.element_size() for t in self._state.tensors.values())
+        """Bytes of this session's state (one pool row)."""
+        return self.engine._pool.row_bytes
 
     def _check_open(self) -> None:
         if self.closed:
             raise SessionClosedError(f"session {self.id} is closed; open a new one with engine.open_session()")
 
-    # -- running methods -----------------------------------------------------------------------
-    def run(self, method: str, *inputs: "torch.Tensor | Slot", keep_as: str | None = None) -> torch.Tensor:
-        """Run a method against this session's state; the output stays on the device.
-
-        Inputs may be `Slot(name)`: a tensor kept earlier with ``keep_as`` (or `keep`), used in
-        place with no host round trip; its shape and dtype are checked against the method's inputs.
-        ``keep_as`` keeps the output under that name for later calls.
-        """
+    def _check_idle(self) -> None:
         self._check_open()
+        if self._stream is not None and not self._stream.done:
+            raise InputError(f"session {self.id} has a request running; wait for it or cancel it first")
+
+    # -- running methods directly ------------------------------------------------------------
+    def run(self, method: str, *inputs: "torch.Tensor | Slot", keep_as: str | None = None) -> torch.Tensor:
+        """Run a method on this session's row; the output stays on the device.
+
+        Inputs are the method's own (not the rows or the state: the session adds those). They
+        may be `Slot(name)`: a tensor kept earlier with ``keep_as`` (or `keep`), used in place
+        with no host round trip. Shapes, dtypes and value ranges are checked before any kernel
+        runs. ``keep_as`` keeps the output under that name for later calls.
+        """
+        self._check_idle()
         resolved = tuple(self.slot(i.name) if isinstance(i, Slot) else i for i in inputs)
         out = self.engine._run(self, method, resolved)
         if keep_as is not None:
@@ -97,12 +106,13 @@ class Session:
         return dict(self._kept)
 
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
-        """Feed ``ids`` after what the session already holds; returns the last position's logits.
+        """Feed ``ids`` after what the session already holds, in chunks; the last position's logits.
 
-        Raises PromptTooLongError before any method runs if the ids do not fit in max_seq_len.
+        Raises InputError for ids outside the vocabulary and PromptTooLongError if they do not fit
+        in max_seq_len, both before any method runs.
         """
-        self._check_open()
-        ids = list(ids)
+        self._check_idle()
+        ids = self.engine.check_token_ids(ids)
         if not ids:
             raise InputError("prompt is empty; give at least one token")
         limit = self.engine.max_seq_len
@@ -110,78 +120,72 @@ class Session:
             raise PromptTooLongError(
                 f"prompt of {len(ids)} tokens after {self.position} already in the session exceeds max_seq_len={limit}; "
                 "shorten the prompt, reset the session, or export the bundle with a larger --max-seq-len")
-        dev, bound = self.engine.device, self.engine.prefill_bound
-        logits, i = None, 0
-        while i < len(ids):
-            n = min(bound, len(ids) - i)
-            method = "prefill" if n >= 2 else "decode"
-            tokens = torch.tensor([ids[i:i + n]], dtype=torch.long, device=dev)
-            pos = torch.arange(self.position, self.position + n, dtype=torch.long, device=dev)
-            logits = self.run(method, tokens, pos)
-            self.position += n
-            i += n
+        logits = None
+        with self.engine._lock:
+            if self.engine.has_prefill:
+                chunk = self.engine.scheduler.prefill_chunk
+                for i in range(0, len(ids), chunk):
+                    logits = self.engine._prefill_chunk(self, ids[i:i + chunk])
+            else:
+                for t in ids:
+                    logits = self.engine._decode([self.row], [self.position], torch.tensor([t], device=self.engine.device))
+                    self.position += 1
         assert logits is not None
         return logits
 
     def decode(self, token: torch.Tensor) -> torch.Tensor:
         """Feed one token given as a device tensor (no host round trip); returns logits [1, vocab].
 
-        With CUDA graphs the logits are the slot's static output buffer, overwritten by this
-        session's next decode: clone them to keep them longer.
+        The logits may be a view of a captured graph's output: clone them to keep them past the
+        engine's next decode step.
         """
-        self._check_open()
+        self._check_idle()
         if self.position >= self.engine.max_seq_len:
             raise PromptTooLongError(f"session {self.id} is full (max_seq_len={self.engine.max_seq_len}); reset it")
-        pos = torch.full((1,), self.position, dtype=torch.long, device=self.engine.device)
-        # The logits may be a graph's static output: valid until this session's next decode.
-        logits = self.engine._run(self, "decode", (token.view(1, 1), pos), own_output=False)
-        self.position += 1
+        with self.engine._lock:
+            logits = self.engine._decode([self.row], [self.position], token.reshape(1))
+            self.position += 1
         return logits
 
-    # -- generation ----------------------------------------------------------------------------
+    # -- generation (through the scheduler) --------------------------------------------------
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
+               stop_ids: Sequence[int] | None = None) -> "TokenStream":
+        """Queue a generation on this session's state; returns its `TokenStream` at once."""
+        self._check_open()
+        return self.engine.scheduler.submit(prompt_ids, params, session=self, stop_ids=stop_ids)
+
     def generate_ids(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                      stop_ids: Sequence[int] | None = None) -> Iterator[int]:
-        """Stream new token ids: prefill ``prompt_ids``, then sample and decode until eos or a limit."""
-        params = params or SamplingParams()
-        stop = set(self.engine.eos_token_ids if stop_ids is None else stop_ids)
-        sampler = Sampler(params, self.engine.device)
-        sampler.observe_prompt(prompt_ids)
-        logits = self.prefill(prompt_ids)
-        for n in range(params.max_new_tokens):
-            token = sampler(logits)
-            token_id = int(token.item())  # the one device-to-host copy per step
-            yield token_id
-            if token_id in stop or n + 1 == params.max_new_tokens or self.position >= self.engine.max_seq_len:
-                return
-            logits = self.decode(token)
+        """Stream new token ids: prefill ``prompt_ids`` after the session's state, then sample and
+        decode until a stop id (default: the model's eos), max_new_tokens or max_seq_len."""
+        stream = self.submit(prompt_ids, params, stop_ids)
+        try:
+            yield from stream
+        finally:
+            stream.cancel()  # the consumer stopped early: free the work (no-op when finished)
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                  chat: bool = True) -> Iterator[Token]:
         """Stream tokens for a text prompt (rendered with the chat template unless ``chat=False``) or token ids."""
         from ..tokenizer import TextStream
 
-        tok = self.engine.tokenizer
-        if isinstance(prompt, str):
-            text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
-            ids = tok.encode(text)
-        else:
-            ids = list(prompt)
-        stream = TextStream(tok)
+        ids = self.engine.encode_prompt(prompt, chat=chat)
+        stream = TextStream(self.engine.tokenizer)
         for token_id in self.generate_ids(ids, params):
             yield Token(token_id, stream.push(token_id))
 
     # -- lifetime ------------------------------------------------------------------------------
     def reset(self) -> None:
-        """Start a new conversation in this session (state zeroed, position 0)."""
-        self._check_open()
+        """Start a new conversation in this session (its row zeroed, position 0)."""
+        self._check_idle()
         with self.engine._lock:
-            self._state.zero_()
+            self.engine._pool.zero_row(self.row)
             self._kept.clear()
             self.position = 0
 
     def snapshot(self) -> SessionSnapshot:
-        """Copy state and position to host memory."""
-        self._check_open()
+        """Copy this session's row of every state tensor and its position to host memory."""
+        self._check_idle()
         with self.engine._lock:
             state = {k: v.detach().to("cpu", copy=True) for k, v in self.state.items()}
             return SessionSnapshot(state=state, position=self.position, fingerprint=self.engine.manifest.fingerprint())
@@ -195,21 +199,29 @@ class Session:
         if snap.fingerprint != m.fingerprint():
             raise InputError("the snapshot belongs to another model or export (fingerprint differs); "
                              "restore it into an Engine loaded from the same bundle")
-        if set(snap.state) != set(self.state):
-            raise InputError(f"the snapshot holds state {sorted(set(snap.state) ^ set(self.state))[:4]} that this "
+        state = self.state
+        if set(snap.state) != set(state):
+            raise InputError(f"the snapshot holds state {sorted(set(snap.state) ^ set(state))[:4]} that this "
                              "bundle does not declare; restore it into the bundle it came from")
-        for k, t in self.state.items():
+        for k, t in state.items():
             src = snap.state[k]
             if src.shape != t.shape or src.dtype != t.dtype:
                 raise InputError(f"snapshot state {k!r} is {src.dtype}{list(src.shape)}, expected {t.dtype}{list(t.shape)}")
         if not 0 <= snap.position <= self.engine.max_seq_len:
             raise InputError(f"snapshot position {snap.position} is outside 0..{self.engine.max_seq_len}")
-        for k, t in self.state.items():
+        for k, t in state.items():
             t.copy_(snap.state[k])
         self.position = snap.position
 
     def close(self) -> None:
-        """Free this session's state; further use raises SessionClosedError. Idempotent."""
+        """Cancel its running request, zero its row and give it back; later use raises SessionClosedError."""
+        if self.closed:
+            return
+        if self._stream is not None:
+            self._stream.cancel()
+        self._close_now()
+
+    def _close_now(self) -> None:
         if not self.closed:
             self.engine._close_session(self)
 

@@ -1,8 +1,4 @@
-"""Session state: one device allocation per session, carved into the manifest's state tensors.
-
-One allocation (not one per tensor) makes a session's cost exact and its release a single
-operation; snapshots move it to host memory or a safetensors file and back.
-"""
+"""Session snapshots: one session's state rows and position in host memory or a safetensors file."""
 
 from __future__ import annotations
 
@@ -12,47 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..bundle import TensorSpec, parse_dtype
 from ..errors import InputError
-
-_ALIGN = 256  # bytes; keeps every state tensor as aligned as a separate cudaMalloc would
-
-
-def state_layout(specs: dict[str, TensorSpec]) -> tuple[dict[str, int], int]:
-    """Byte offset of each state tensor inside the session buffer, and the buffer size."""
-    offsets, size = {}, 0
-    for fqn in sorted(specs):
-        size = (size + _ALIGN - 1) // _ALIGN * _ALIGN
-        offsets[fqn] = size
-        size += specs[fqn].nbytes
-    return offsets, size
-
-
-class SessionState:
-    """The tensors one session owns, all views of one buffer."""
-
-    def __init__(self, specs: dict[str, TensorSpec], device: torch.device) -> None:
-        offsets, size = state_layout(specs)
-        self.buffer = torch.zeros(size, dtype=torch.uint8, device=device)
-        self.tensors: dict[str, torch.Tensor] = {}
-        for fqn, spec in specs.items():
-            if spec.init not in (None, "zeros"):
-                raise InputError(f"state {fqn!r} has init rule {spec.init!r}; this onecopy knows 'zeros'")
-            start = offsets[fqn]
-            self.tensors[fqn] = self.buffer[start:start + spec.nbytes].view(parse_dtype(spec.dtype)).view(spec.shape)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes allocated for this session (tensors plus alignment padding)."""
-        return self.buffer.untyped_storage().nbytes()
-
-    def zero_(self) -> None:
-        self.buffer.zero_()
-
-    def release(self) -> None:
-        """Free the device memory now, even if a runner still references the tensors."""
-        self.buffer.untyped_storage().resize_(0)
-        self.tensors = {}
 
 
 @dataclass

@@ -1,0 +1,61 @@
+"""Attention over a state pool: every session's KV lives in one row of a pool tensor [P, H, S, D].
+
+The exported methods get the pool and the rows they work on as inputs. These helpers write new
+K/V only into those rows and read them without materialising a per-row copy of the cache:
+
+- `write_rows` scatters new K/V into (row, position) slots in place (index_put on the pool);
+- `pooled_attention` (decode: one query per row) is written as mul + sum reductions so that
+  Inductor fuses the pool gather into the reduction kernels: no [B, H, S, D] gather is ever
+  materialised (checked in tests on the generated code);
+- `row_view` gives one row as a view for prefill, whose many queries want a real attention kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def write_rows(pool: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
+    """pool[rows[i], :, positions[i]] = values[i] for each i (values: [N, H, D]; rows broadcast to N)."""
+    pool[rows, :, positions] = values
+
+
+def row_view(pool: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """Pool row ``row[0]`` as a view [H, S, D] (no copy: the index becomes an unbacked size in export)."""
+    r = row[0].item()
+    torch._check(r >= 0)
+    torch._check(r < pool.shape[0])
+    return pool.select(0, r)
+
+
+def pooled_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
+                     lengths: torch.Tensor | None) -> torch.Tensor:
+    """One query per row against that row's first ``lengths[b]`` cached positions (all when None).
+
+    q: [B, Hq, D]; pools: [P, Hkv, S, D] with Hq a multiple of Hkv (grouped-query attention);
+    rows, lengths: [B] int64. Returns [B, Hq, D] in q's dtype. Scores and softmax run in fp32.
+    """
+    b, hq, d = q.shape
+    hkv, s = k_pool.shape[1], k_pool.shape[2]
+    g = hq // hkv
+    qg = q.view(b, hkv, g, 1, d).float()
+    k = k_pool[rows].unsqueeze(2)  # [B, Hkv, 1, S, D]: a gather that Inductor fuses into the sum below
+    scores = (qg * k.float()).sum(-1) * (1.0 / math.sqrt(d))  # [B, Hkv, g, S]
+    if lengths is not None:
+        valid = torch.arange(s, device=q.device)[None, :] < lengths[:, None]  # [B, S]
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    p = scores.softmax(-1)
+    v = v_pool[rows].unsqueeze(2)  # [B, Hkv, 1, S, D]
+    out = (p.unsqueeze(-1) * v.float()).sum(-2)  # [B, Hkv, g, D]
+    return out.reshape(b, hq, d).to(q.dtype)
+
+
+def chunk_attention(q: torch.Tensor, k_row: torch.Tensor, v_row: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A chunk's queries (q: [1, Hq, T, D] at ``positions``) against one row's cache [Hkv, S, D], causal."""
+    s = k_row.shape[1]
+    mask = positions[:, None] >= torch.arange(s, device=q.device)[None, :]
+    return F.scaled_dot_product_attention(q, k_row[None], v_row[None], attn_mask=mask,
+                                          enable_gqa=q.shape[1] != k_row.shape[0])

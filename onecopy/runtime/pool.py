@@ -1,0 +1,75 @@
+"""The state pool: every state tensor with a leading row dimension, one row per session, one allocation.
+
+Rows 0..rows-1 belong to sessions; row ``rows`` is scratch: batched calls pad with it, so padding
+never writes a live session. A session owns exactly its row: reset zeroes it, close zeroes it and
+puts it back on the free list, a snapshot copies it out. The pool is allocated once, at load, so
+opening and closing sessions moves no device memory.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from ..bundle import TensorSpec, parse_dtype
+from ..errors import InputError
+
+_ALIGN = 256  # bytes; keeps every pool tensor as aligned as a separate cudaMalloc would
+
+
+class StatePool:
+    """Pool tensors [rows + 1, *shape] per state FQN, carved from one buffer, and the free rows."""
+
+    def __init__(self, specs: dict[str, TensorSpec], rows: int, device: torch.device) -> None:
+        for fqn, spec in specs.items():
+            if spec.init not in (None, "zeros"):
+                raise InputError(f"state {fqn!r} has init rule {spec.init!r}; this onecopy knows 'zeros'")
+        self.rows, self.scratch, self.device = rows, rows, device
+        self.row_bytes = sum(s.nbytes for s in specs.values())
+        offsets, size = {}, 0
+        for fqn in sorted(specs):
+            size = -(-size // _ALIGN) * _ALIGN
+            offsets[fqn] = size
+            size += (rows + 1) * specs[fqn].nbytes
+        self.buffer = torch.zeros(max(size, 1), dtype=torch.uint8, device=device)
+        self.tensors: dict[str, torch.Tensor] = {}
+        for fqn, spec in specs.items():  # manifest order: the order methods take them in
+            start, n = offsets[fqn], (rows + 1) * spec.nbytes
+            self.tensors[fqn] = self.buffer[start:start + n].view(parse_dtype(spec.dtype)).view(rows + 1, *spec.shape)
+        self._free = list(range(rows))  # a heap: the lowest free row is handed out first
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the whole pool (every row, the scratch row and alignment)."""
+        return self.buffer.untyped_storage().nbytes()
+
+    @property
+    def free_rows(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int:
+        """Take the lowest free row (its state is zero). The caller checks `free_rows` first."""
+        return heapq.heappop(self._free)
+
+    def release(self, row: int) -> None:
+        """Zero ``row`` and return it to the free list."""
+        self.zero_row(row)
+        heapq.heappush(self._free, row)
+
+    def row(self, row: int) -> dict[str, torch.Tensor]:
+        """Views of one row of every state tensor, by FQN."""
+        return {fqn: t[row] for fqn, t in self.tensors.items()}
+
+    def zero_row(self, row: int) -> None:
+        if self.tensors:
+            torch._foreach_zero_([t[row] for t in self.tensors.values()])
+
+    def in_use(self, row: int) -> bool:
+        return 0 <= row < self.rows and row not in self._free
+
+    def release_memory(self) -> None:
+        """Free the device memory now, even if a compiled runner still references the tensors."""
+        self.buffer.untyped_storage().resize_(0)
+        self.tensors = {}
+        self._free = []
