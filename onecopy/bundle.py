@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import mmap
+import os
 import struct
 import warnings
 from dataclasses import dataclass, field
@@ -50,6 +51,19 @@ def sha256(data: bytes | memoryview) -> str:
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+def tensor_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without copying them."""
+    return memoryview(t.detach().contiguous().view(torch.uint8).reshape(-1).numpy())
+
+
+def sha256_many(buffers: list[bytes | memoryview]) -> list[str]:
+    """Content hashes of many buffers, in threads (hashlib releases the GIL: gigabytes take seconds)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        return list(pool.map(sha256, buffers))
 
 
 @dataclass
@@ -280,6 +294,7 @@ def read_bundle(path: str | Path, device_kind: str) -> Bundle:
     bundle = Bundle(path=path, manifest=m, weights={}, _mmap=mm, _file=f)
     weights = bundle.weights
     try:
+        views = {}
         for fqn, spec in m.weights.items():
             entry = header.get(fqn)
             if entry is None:
@@ -291,11 +306,12 @@ def read_bundle(path: str | Path, device_kind: str) -> Bundle:
             start, end = (base + o for o in entry["data_offsets"])
             if end > len(mm) or end - start != spec.nbytes:
                 raise WeightsCorruptError(f"{wfile.name} is truncated at weight {fqn!r}; export the bundle again")
-            view = memoryview(mm)[start:end]
-            if sha256(view) != spec.sha256:
+            views[fqn] = memoryview(mm)[start:end]
+        for (fqn, view), digest in zip(views.items(), sha256_many(list(views.values()))):
+            if digest != m.weights[fqn].sha256:
                 raise WeightsCorruptError(
                     f"weight {fqn!r} in {wfile.name} does not match its content hash (the file is corrupt); export again")
-            weights[fqn] = _view(view, spec)
+            weights[fqn] = _view(view, m.weights[fqn])
         return bundle
     except BaseException:
         bundle.close()

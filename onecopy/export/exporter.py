@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..bundle import (FORMAT_VERSION, MANIFEST, TOKENIZER, WEIGHTS, Manifest, MethodSpec, TensorSpec, dtype_name,
-                      sha256, tensor_bytes)
+                      sha256, sha256_many, tensor_view)
 from ..errors import ExportError
 from ..models.base import MethodDef
 from ..models.source import ModelSource, resolve_source
@@ -183,8 +183,8 @@ def _write_bundle(tmp: Path, src: ModelSource, model: torch.nn.Module, specs: di
     manifest = Manifest(
         family=src.family, config=src.config.to_dict(), max_seq_len=max_seq_len, dtype=dtype_name(dtype),
         device_kind=device, methods=specs,
-        weights={k: TensorSpec(shape=list(v.shape), dtype=dtype_name(v.dtype), sha256=sha256(tensor_bytes(v)))
-                 for k, v in weights.items()},
+        weights={k: TensorSpec(shape=list(v.shape), dtype=dtype_name(v.dtype), sha256=digest)
+                 for (k, v), digest in zip(weights.items(), sha256_many([tensor_view(v) for v in weights.values()]))},
         state=state,
         tokenizer={"file": TOKENIZER, "bos_token_id": src.bos_token_id},
         generation={"eos_token_ids": src.eos_token_ids, "chat_template": src.chat_template, **src.generation},

@@ -17,6 +17,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import kernels
+
 
 def write_rows(pool: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
     """pool[rows[i], :, positions[i]] = values[i] for each i (values: [N, H, D]; rows broadcast to N)."""
@@ -37,7 +39,18 @@ def pooled_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
 
     q: [B, Hq, D]; pools: [P, Hkv, S, D] with Hq a multiple of Hkv (grouped-query attention);
     rows, lengths: [B] int64. Returns [B, Hq, D] in q's dtype. Scores and softmax run in fp32.
+    On CUDA a Triton kernel reads only the filled prefix of each row (`kernels.decode_attention`).
     """
+    if q.is_cuda and kernels.available():
+        if lengths is None:
+            lengths = torch.full_like(rows, k_pool.shape[2])
+        return kernels.decode_attention(q, k_pool, v_pool, rows, lengths)
+    return pooled_attention_torch(q, k_pool, v_pool, rows, lengths)
+
+
+def pooled_attention_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
+                           lengths: torch.Tensor | None) -> torch.Tensor:
+    """`pooled_attention` in plain torch ops (the CPU path; every cache position is read, masked)."""
     b, hq, d = q.shape
     hkv, s = k_pool.shape[1], k_pool.shape[2]
     g = hq // hkv

@@ -88,6 +88,28 @@ def hf_to_onecopy(sd: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, to
     return out
 
 
+def onecopy_to_hf(sd: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    """The inverse of `hf_to_onecopy`: split wqkv and w13 back into transformers' names (views, no copy)."""
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    out = {"model.embed_tokens.weight": sd["tok_embeddings.weight"], "model.norm.weight": sd["norm.weight"]}
+    for i in range(cfg.n_layers):
+        p, a = f"model.layers.{i}.", f"layers.{i}."
+        for suffix in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+            for n, part in zip("qkv", sd[a + f"attention.wqkv.{suffix}"].split([q, kv, kv])):
+                out[p + f"self_attn.{n}_proj.{suffix}"] = part
+        if cfg.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = sd[a + "attention.q_norm.weight"]
+            out[p + "self_attn.k_norm.weight"] = sd[a + "attention.k_norm.weight"]
+        out[p + "self_attn.o_proj.weight"] = sd[a + "attention.wo.weight"]
+        gate, up = sd[a + "feed_forward.w13.weight"].split(cfg.intermediate_size)
+        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
+        out[p + "mlp.down_proj.weight"] = sd[a + "feed_forward.w2.weight"]
+        out[p + "input_layernorm.weight"] = sd[a + "attention_norm.weight"]
+        out[p + "post_attention_layernorm.weight"] = sd[a + "ffn_norm.weight"]
+    out["lm_head.weight"] = sd["tok_embeddings.weight"] if cfg.tie_embeddings else sd["output.weight"]
+    return out
+
+
 def read_hf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Read config.json and every safetensors shard (sharded via model.safetensors.index.json or not)."""
     cfg_file = path / "config.json"

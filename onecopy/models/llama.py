@@ -275,7 +275,7 @@ class Transformer(nn.Module):
 class Preset:
     config: LlamaConfig
     description: str
-    extra: dict[str, Any] = field(default_factory=dict)
+    on_device: bool = False  # weights drawn at build time on the export device, in its dtype (large shapes)
 
 
 PRESETS: dict[str, Preset] = {
@@ -287,4 +287,34 @@ PRESETS: dict[str, Preset] = {
         LlamaConfig(vocab_size=32000, dim=2048, n_layers=8, n_heads=16, n_kv_heads=8, intermediate_size=5632,
                     max_position_embeddings=4096, rope_theta=500000.0),
         "seeded random 8-layer, 2048-wide Llama for benchmarks"),
+    "llama3-8b": Preset(
+        LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate_size=14336,
+                    rms_norm_eps=1e-5, max_position_embeddings=131072, rope_theta=500000.0),
+        "Llama-3-8B shape, seeded random weights drawn on the export device", on_device=True),
+    "llama3-8b-8l": Preset(
+        LlamaConfig(vocab_size=128256, dim=4096, n_layers=8, n_heads=32, n_kv_heads=8, intermediate_size=14336,
+                    rms_norm_eps=1e-5, max_position_embeddings=131072, rope_theta=500000.0),
+        "8 layers of the Llama-3-8B shape (quick benchmarks), random weights drawn on the device", on_device=True),
+    "llama3-1b": Preset(
+        LlamaConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, intermediate_size=8192,
+                    head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=131072, rope_theta=500000.0,
+                    tie_embeddings=True),
+        "Llama-3.2-1B shape, seeded random weights drawn on the export device", on_device=True),
 }
+
+
+def fill_random(model: nn.Module, seed: int) -> None:
+    """Seeded random weights in place, on the model's device and dtype (one generator per tensor):
+    linear weights N(0, 1/fan_in), norms 1 + N(0, 0.01), embeddings N(0, 1); logits stay well separated."""
+    with torch.no_grad():
+        for i, (name, p) in enumerate(model.named_parameters()):
+            g = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + i)
+            x = torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32 if p.device.type == "cpu"
+                            else p.dtype)
+            if name.endswith("norm.weight"):
+                x = 1.0 + 0.1 * x
+            elif p.dim() == 2 and "embeddings" not in name:
+                x = x / p.shape[1] ** 0.5
+            elif p.dim() == 1:  # biases
+                x = 0.1 * x
+            p.copy_(x)

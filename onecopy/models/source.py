@@ -14,7 +14,7 @@ from .gguf_file import read_gguf, tokenizer_json_from_gguf
 from .ct2_whisper import (hf_config_from_whisper, whisper_config_from_hf, whisper_from_ct2,
                           whisper_generation_from_hf)
 from .hf_checkpoint import hf_config_from_llama, hf_to_onecopy, llama_config_from_hf, read_hf_checkpoint
-from .llama import PRESETS, LlamaConfig, Transformer
+from .llama import PRESETS, LlamaConfig, Transformer, fill_random, rope_inv_freq
 from .whisper import Whisper, WhisperConfig
 
 EMBEDDED_DEFAULT = "smollm2-135m-instruct"
@@ -34,6 +34,7 @@ class ModelSource:
     chat_template: str | None = None
     family: str = "llama"
     generation: dict[str, Any] = field(default_factory=dict)  # family-specific defaults for the manifest
+    random_seed: int | None = None  # no stored weights: drawn at build time on the target device (large presets)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Weights under onecopy FQNs (Llama: fused q/k/v and gate/up; Whisper: transformers' names)."""
@@ -45,6 +46,8 @@ class ModelSource:
         """The eager model with these weights, ready to run or export."""
         if self.family == "whisper":
             model = Whisper(self.config, max_seq_len, dtype)
+        elif self.random_seed is not None:
+            return _random_on_device(self.config, max_seq_len, dtype, torch.device(device), self.random_seed)
         else:
             model = Transformer(self.config, max_seq_len, dtype)
         missing, unexpected = model.load_state_dict(self.state_dict(), strict=False)
@@ -63,6 +66,18 @@ class ModelSource:
         (path / "config.json").write_text(json.dumps(hf_config, indent=1))
         save_file({k: v.contiguous() for k, v in self.hf_state_dict.items()}, str(path / "model.safetensors"))
         (path / "tokenizer.json").write_text(self.tokenizer_json)
+
+
+def _random_on_device(cfg: LlamaConfig, max_seq_len: int, dtype: torch.dtype, device: torch.device,
+                      seed: int) -> Transformer:
+    """A Transformer built without memory (meta), then materialised on ``device`` with seeded random weights:
+    an 8B model never passes through host memory in fp32."""
+    with torch.device("meta"):
+        model = Transformer(cfg, max_seq_len, dtype)
+    model = model.to_empty(device=device)
+    model.rope_inv_freq = rope_inv_freq(cfg)[0].to(device)  # computed, not random
+    fill_random(model, seed)
+    return model.eval()
 
 
 def byte_tokenizer_json(vocab_size: int) -> str:
@@ -216,6 +231,9 @@ def _from_hf_dir(path: Path) -> ModelSource:
 def preset_source(name: str, seed: int = 0) -> ModelSource:
     preset = PRESETS[name]
     cfg = LlamaConfig.from_dict(preset.config.to_dict())
+    if preset.on_device:
+        return ModelSource(name=name, config=cfg, hf_state_dict={}, tokenizer_json=byte_tokenizer_json(cfg.vocab_size),
+                           eos_token_ids=[cfg.vocab_size - 1], random_seed=seed)
     return ModelSource(name=name, config=cfg, hf_state_dict=random_hf_state_dict(cfg, seed),
                        tokenizer_json=byte_tokenizer_json(cfg.vocab_size), eos_token_ids=[cfg.vocab_size - 1])
 

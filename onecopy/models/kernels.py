@@ -1,0 +1,132 @@
+"""Triton kernels the exported CUDA methods call, registered as torch ops so AOTInductor embeds them.
+
+`decode_attention`: one query per session against that session's row of the KV pool, reading only
+the filled prefix (``lengths``) in place: split-KV ("flash-decoding") with all query heads of a
+grouped-query group served by one program, so each K/V block is read once. A second kernel merges
+the splits. On CPU the exported methods use `attention.pooled_attention` instead.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+BLOCK_N = 64  # cache positions per inner step
+SPLIT_MAX = 256  # cache positions per program; more splits = more parallelism at small batch
+
+
+def available() -> bool:
+    """True when Triton and a CUDA device are usable in this process."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def split_len(max_seq_len: int) -> int:
+    """Positions per split: SPLIT_MAX, or the whole (block-rounded) cache when it is shorter."""
+    return min(SPLIT_MAX, -(-max_seq_len // BLOCK_N) * BLOCK_N)
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def split_kernel(Q, K, V, ROWS, LENS, PO, PML, sm_scale,
+                     stride_qb, stride_qh, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
+                     stride_pob, stride_poh, stride_pos, stride_pmb, stride_pmh, stride_pms,
+                     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        sp = tl.program_id(2)
+        row = tl.load(ROWS + b)
+        length = tl.load(LENS + b)
+        start = sp * SPLIT
+        end = tl.minimum(start + SPLIT, length)
+        offs_g = tl.arange(0, GP)
+        offs_d = tl.arange(0, D)
+        gmask = offs_g < G
+        heads = kvh * G + offs_g
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None], other=0.0)
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        k_base = K + row * stride_kp + kvh * stride_kh
+        v_base = V + row * stride_vp + kvh * stride_vh
+        for n in range(start, end, BLOCK):
+            offs_n = n + tl.arange(0, BLOCK)
+            nmask = offs_n < end
+            k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=nmask[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * sm_scale
+            s = tl.where(nmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=nmask[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        tl.store(PO + b * stride_pob + heads[:, None] * stride_poh + sp * stride_pos + offs_d[None, :], acc,
+                 mask=gmask[:, None])
+        pml = PML + b * stride_pmb + heads * stride_pmh + sp * stride_pms
+        tl.store(pml, m_i, mask=gmask)
+        tl.store(pml + 1, l_i, mask=gmask)
+
+    @triton.jit
+    def merge_kernel(PO, PML, OUT, stride_pob, stride_poh, stride_pos, stride_pmb, stride_pmh, stride_pms,
+                     stride_ob, stride_oh, NS: tl.constexpr, NSP: tl.constexpr, D: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, NSP)
+        offs_d = tl.arange(0, D)
+        smask = offs_s < NS
+        pml = PML + b * stride_pmb + h * stride_pmh + offs_s * stride_pms
+        m = tl.load(pml, mask=smask, other=float("-inf"))
+        l = tl.load(pml + 1, mask=smask, other=0.0)
+        w = tl.where(smask, tl.exp(m - tl.max(m, 0)), 0.0)  # empty splits have m = -inf: weight 0
+        o = tl.load(PO + b * stride_pob + h * stride_poh + offs_s[:, None] * stride_pos + offs_d[None, :],
+                    mask=smask[:, None], other=0.0)
+        out = tl.sum(o * w[:, None], 0) / tl.sum(w * l, 0)
+        tl.store(OUT + b * stride_ob + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty))
+
+    return split_kernel, merge_kernel
+
+
+@functools.cache
+def register() -> None:
+    """Define ``torch.ops.onecopy.decode_attention`` (once per process)."""
+    from torch.library import triton_op, wrap_triton
+
+    @triton_op("onecopy::decode_attention", mutates_args=())
+    def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
+                         lengths: torch.Tensor) -> torch.Tensor:
+        """q [B, Hq, D] against rows[b] of the pools [P, Hkv, S, D], positions < lengths[b]; -> [B, Hq, D]."""
+        split_kernel, merge_kernel = _kernels()
+        b, hq, d = q.shape
+        hkv, s = k_pool.shape[1], k_pool.shape[2]
+        g = hq // hkv
+        split = split_len(s)
+        ns = -(-s // split)
+        po = torch.empty((b, hq, ns, d), dtype=torch.float32, device=q.device)
+        pml = torch.empty((b, hq, ns, 2), dtype=torch.float32, device=q.device)
+        out = torch.empty_like(q)
+        wrap_triton(split_kernel)[(b, hkv, ns)](
+            q, k_pool, v_pool, rows, lengths, po, pml, d ** -0.5,
+            q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+            v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+            po.stride(0), po.stride(1), po.stride(2), pml.stride(0), pml.stride(1), pml.stride(2),
+            G=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, BLOCK=BLOCK_N, SPLIT=split, num_warps=4, num_stages=2)
+        wrap_triton(merge_kernel)[(b, hq)](
+            po, pml, out, po.stride(0), po.stride(1), po.stride(2), pml.stride(0), pml.stride(1), pml.stride(2),
+            out.stride(0), out.stride(1), NS=ns, NSP=max(2, 1 << (ns - 1).bit_length()), D=d, num_warps=4)
+        return out
+
+
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
+                     lengths: torch.Tensor) -> torch.Tensor:
+    register()
+    return torch.ops.onecopy.decode_attention(q, k_pool, v_pool, rows, lengths)
