@@ -7,7 +7,7 @@ K/V only into those rows and read them without materialising a per-row copy of t
 - `pooled_attention` (decode: one query per row) is written as mul + sum reductions so that
   Inductor fuses the pool gather into the reduction kernels: no [B, H, S, D] gather is ever
   materialised (checked in tests on the generated code);
-- `row_view` gives one row as a view for prefill, whose many queries want a real attention kernel.
+- `read_row` gives one row for prefill, whose many queries want a real attention kernel.
 """
 
 from __future__ import annotations
@@ -25,12 +25,14 @@ def write_rows(pool: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, 
     pool[rows, :, positions] = values
 
 
-def row_view(pool: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-    """Pool row ``row[0]`` as a view [H, S, D] (no copy: the index becomes an unbacked size in export)."""
-    r = row[0].item()
-    torch._check(r >= 0)
-    torch._check(r < pool.shape[0])
-    return pool.select(0, r)
+def read_row(pool: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """Pool row ``row[0]``, [H, S, D], for a prefill chunk's attention.
+
+    A copy of one row per layer and chunk (small next to the chunk's matmuls). A view through
+    ``row.item()`` exports on CPU but torch 2.11's AOTI CUDA wrapper emits an undeclared symbol
+    for its bound check (measured on the H200).
+    """
+    return pool.index_select(0, row)[0]
 
 
 def pooled_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,

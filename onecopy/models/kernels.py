@@ -36,10 +36,11 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def split_kernel(Q, K, V, ROWS, LENS, PO, PML, sm_scale,
+    def split_kernel(Q, K, V, ROWS, LENS, PO, PML,
                      stride_qb, stride_qh, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
                      stride_pob, stride_poh, stride_pos, stride_pmb, stride_pmh, stride_pms,
-                     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+                     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+                     SCALE: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -61,7 +62,7 @@ def _kernels():
             offs_n = n + tl.arange(0, BLOCK)
             nmask = offs_n < end
             k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=nmask[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * sm_scale
+            s = tl.dot(q, tl.trans(k)) * SCALE
             s = tl.where(nmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
@@ -115,11 +116,12 @@ def register() -> None:
         pml = torch.empty((b, hq, ns, 2), dtype=torch.float32, device=q.device)
         out = torch.empty_like(q)
         wrap_triton(split_kernel)[(b, hkv, ns)](
-            q, k_pool, v_pool, rows, lengths, po, pml, d ** -0.5,
+            q, k_pool, v_pool, rows, lengths, po, pml,
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
             v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
             po.stride(0), po.stride(1), po.stride(2), pml.stride(0), pml.stride(1), pml.stride(2),
-            G=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, BLOCK=BLOCK_N, SPLIT=split, num_warps=4, num_stages=2)
+            G=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, BLOCK=BLOCK_N, SPLIT=split, SCALE=d ** -0.5,
+            num_warps=4, num_stages=2)
         wrap_triton(merge_kernel)[(b, hq)](
             po, pml, out, po.stride(0), po.stride(1), po.stride(2), pml.stride(0), pml.stride(1), pml.stride(2),
             out.stride(0), out.stride(1), NS=ns, NSP=max(2, 1 << (ns - 1).bit_length()), D=d, num_warps=4)

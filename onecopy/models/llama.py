@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import chunk_attention, pooled_attention, row_view, write_rows
+from .attention import chunk_attention, pooled_attention, read_row, write_rows
 from .base import MethodDef, as_method, pooled_methods
 
 
@@ -150,7 +150,7 @@ class Attention(nn.Module):
         else:
             write_rows(k_pool, step.rows, step.input_pos, k[0])
             write_rows(v_pool, step.rows, step.input_pos, v[0])
-            y = chunk_attention(q.transpose(1, 2), row_view(k_pool, step.rows), row_view(v_pool, step.rows),
+            y = chunk_attention(q.transpose(1, 2), read_row(k_pool, step.rows), read_row(v_pool, step.rows),
                                 step.input_pos).transpose(1, 2)
         return self.wo(y.reshape(n, t, q_size))
 
