@@ -34,9 +34,10 @@ PAGE = 64
 
 
 @triton.jit
-def _paged_split_kernel(Q, K, V, TABLE, LENS, PO, PML, sm_scale, stride_qb, stride_qh, stride_kb, stride_kh, stride_ks,
+def _paged_split_kernel(Q, K, V, TABLE, LENS, PO, PML, stride_qb, stride_qh, stride_kb, stride_kh, stride_ks,
                         stride_tb, stride_pob, stride_poh, stride_pos, stride_pmb, stride_pmh, stride_pms,
-                        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+                        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+                     SCALE: tl.constexpr):
     b, kvh, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(LENS + b)
     start = sp * SPLIT
@@ -54,7 +55,7 @@ def _paged_split_kernel(Q, K, V, TABLE, LENS, PO, PML, sm_scale, stride_qb, stri
         nmask = n + offs < end
         base = page * stride_kb + kvh * stride_kh + offs[:, None] * stride_ks + offs_d[None, :]
         k = tl.load(K + base, mask=nmask[:, None], other=0.0)
-        s = tl.where(nmask[None, :], tl.dot(q, tl.trans(k)) * sm_scale, float("-inf"))
+        s = tl.where(nmask[None, :], tl.dot(q, tl.trans(k)) * SCALE, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
@@ -79,10 +80,10 @@ def paged_attention(q, k_pages, v_pages, table, lengths, s):
     po = torch.empty((b, hq, ns, d), dtype=torch.float32, device=q.device)
     pml = torch.empty((b, hq, ns, 2), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    _paged_split_kernel[(b, hkv, ns)](q, k_pages, v_pages, table, lengths, po, pml, d ** -0.5, q.stride(0), q.stride(1),
+    _paged_split_kernel[(b, hkv, ns)](q, k_pages, v_pages, table, lengths, po, pml, q.stride(0), q.stride(1),
                                       k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), table.stride(0),
                                       po.stride(0), po.stride(1), po.stride(2), pml.stride(0), pml.stride(1), pml.stride(2),
-                                      G=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, BLOCK=PAGE, SPLIT=split,
+                                      G=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, BLOCK=PAGE, SPLIT=split, SCALE=d ** -0.5,
                                       num_warps=4, num_stages=2)
     merge_kernel[(b, hq)](po, pml, out, po.stride(0), po.stride(1), po.stride(2), pml.stride(0), pml.stride(1),
                           pml.stride(2), out.stride(0), out.stride(1), NS=ns, NSP=max(2, 1 << (ns - 1).bit_length()), D=d,

@@ -177,7 +177,8 @@ def main() -> None:
             res[f"batched_vs_{peer}_end_to_end"] = {s: round(base[s]["end_to_end_tok_s"] / v["end_to_end_tok_s"], 2)
                                                     for s, v in rows.items() if v.get("end_to_end_tok_s") and s in base}
             res[f"batched_vs_{peer}_decode"] = {s: round(base[s]["decode_tok_s"] / v["decode_tok_s"], 2)
-                                                for s, v in rows.items() if v.get("decode_tok_s") and s in base}
+                                                for s, v in rows.items()
+                                                if v.get("decode_tok_s") and base.get(s, {}).get("decode_tok_s")}
         itl1 = base.get(str(counts[0]), {}).get("itl_ms_p50")
         res["itl_p50_vs_solo"] = {s: round(v["itl_ms_p50"] / itl1, 2) for s, v in base.items() if v.get("itl_ms_p50")}
     engine.close()

@@ -35,7 +35,7 @@ def measure(bundle: str, steps: int) -> dict:
     torch.cuda.init()
     free0, total = torch.cuda.mem_get_info()
     t0 = time.perf_counter()
-    with onecopy.Engine.load(bundle, "cuda") as engine:
+    with onecopy.Engine.load(bundle, "cuda", max_sessions=1) as engine:  # one pool row: weights are what differs
         load_s = time.perf_counter() - t0
         free_loaded, _ = torch.cuda.mem_get_info()
         s = engine.open_session()

@@ -102,7 +102,7 @@ class Engine:
         self.deterministic = False
         self.fail_closed_reason: str | None = None
         self._mutated_initial: dict[str, torch.Tensor] = {}  # constants written in place (fail-closed bundles)
-        self._row_index: torch.Tensor  # arange over pool rows on the device: rows as views, no copy
+        self._row_index: torch.Tensor  # pool row ids on the device: one session's rows input is a view
 
     @classmethod
     def load(cls, bundle_dir: str | Path, device: str | torch.device = "cpu", *, max_sessions: int | None = None,
@@ -196,7 +196,9 @@ class Engine:
                                            memory_budget=memory_budget, memory_fraction=memory_fraction,
                                            reserve=reserve)
         self._pool = StatePool(m.state, rows, self.device)
-        self._row_index = torch.arange(rows + 1, device=self.device)
+        # Row ids spaced 16 bytes apart: a one-row view stays 16-byte aligned, as the packages were compiled for
+        # (an unaligned input is copied by AOTI on every call).
+        self._row_index = torch.arange(rows + 1, device=self.device).repeat_interleave(2)
         self._sampler = BatchSampler(rows + 1, vocab, self.device)
         self.deterministic = deterministic
         if decode_buckets is not None and (not decode_buckets or min(decode_buckets) < 1 or max(decode_buckets) > rows):
@@ -375,8 +377,8 @@ class Engine:
 
     # -- running methods (callers hold the lock or take it here) --------------------------------
     def _rows(self, row: int) -> torch.Tensor:
-        """The int64 [1] rows input for one session: a view, no host-to-device copy."""
-        return self._row_index[row:row + 1]
+        """The int64 [1] rows input for one session: an aligned view, no host-to-device copy."""
+        return self._row_index[2 * row:2 * row + 1]
 
     def _pools(self, method: Method) -> list[torch.Tensor]:
         return [self._pool.tensors[f] for f in method.spec.state]
