@@ -1,4 +1,4 @@
-"""The `onecopy` command: run, export, info."""
+"""The `onecopy` command: run, serve, transcribe, export, info, bench."""
 
 from __future__ import annotations
 
@@ -38,6 +38,66 @@ def _cmd_transcribe(a: argparse.Namespace) -> int:
         transcripts = transcribe_files(engine, a.files, a.max_new_tokens)
     for path, t in zip(a.files, transcripts):
         print(t.text if len(a.files) == 1 else f"{path}: {t.text}")
+    return 0
+
+
+def _cmd_serve(a: argparse.Namespace) -> int:
+    from .bundle import read_manifest
+    from .defaults import default_bundle
+    from .models.source import EMBEDDED_DEFAULT
+    from .runtime.engine import Engine
+    from .serve import ServerConfig, serve
+
+    if a.source and a.bundle:
+        raise OnecopyError("give a model SOURCE or --bundle DIR, not both")
+    bundle = Path(a.bundle) if a.bundle else default_bundle(a.device, model=a.source or EMBEDDED_DEFAULT)
+    name = a.model_name or a.source or read_manifest(bundle).build.get("source") or bundle.name
+    engine = Engine.load(bundle, a.device, max_sessions=a.max_sessions, max_queue=a.max_queue,
+                         deterministic=a.deterministic)
+    config = ServerConfig(model_name=str(name), api_key=a.api_key, max_body_bytes=a.max_body_bytes,
+                          conversation_cache=not a.no_conversation_cache, conversation_ttl_s=a.conversation_ttl,
+                          max_conversations=a.max_conversations)
+    if a.host not in ("127.0.0.1", "localhost", "::1") and not a.api_key:
+        print(f"onecopy: warning: serving on {a.host} without --api-key: anyone who reaches this port can use it",
+              file=sys.stderr)
+    print(f"onecopy: serving {name} on http://{a.host}:{a.port}/v1 ({engine.max_sessions} sessions at once)",
+          file=sys.stderr)
+    serve(engine, config, host=a.host, port=a.port, grace_s=a.grace)
+    return 0
+
+
+def _cmd_bench_serve(a: argparse.Namespace) -> int:
+    import contextlib
+
+    import httpx
+
+    from .bench.serve_load import bench_serve, print_table
+
+    levels = [int(x) for x in a.clients.split(",")]
+    command = "onecopy " + " ".join(sys.argv[1:])
+    out = Path(a.out) if a.out else None
+    if a.url:
+        models = httpx.get(a.url.rstrip("/") + "/v1/models", timeout=30,
+                           headers={"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}).json()
+        res = bench_serve(url=a.url.rstrip("/"), engine=None, model=models["data"][0]["id"], levels=levels,
+                          requests_per_client=a.requests_per_client, prompt_len=a.prompt_len, max_tokens=a.max_tokens,
+                          vocab=256, api_key=a.api_key, out=out, command=command)
+    else:
+        from .defaults import default_bundle
+        from .models.source import EMBEDDED_DEFAULT
+        from .runtime.engine import Engine
+        from .serve import BackgroundServer, ServerConfig
+
+        bundle = Path(a.bundle) if a.bundle else default_bundle(a.device, model=a.source or EMBEDDED_DEFAULT)
+        with contextlib.ExitStack() as stack:
+            engine = stack.enter_context(Engine.load(bundle, a.device, max_sessions=a.max_sessions or max(levels),
+                                                     max_queue=None))
+            server = stack.enter_context(BackgroundServer(engine, ServerConfig(model_name="bench",
+                                                                               conversation_cache=False)))
+            res = bench_serve(url=server.url, engine=engine, model="bench", levels=levels,
+                              requests_per_client=a.requests_per_client, prompt_len=a.prompt_len,
+                              max_tokens=a.max_tokens, vocab=engine.vocab_size, api_key=None, out=out, command=command)
+    print_table(res)
     return 0
 
 
@@ -126,6 +186,40 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     t.add_argument("--max-new-tokens", type=int, help="per 30 s window")
     t.set_defaults(fn=_cmd_transcribe)
+
+    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (default: the embedded SmolLM2-135M-Instruct)")
+    v.add_argument("source", nargs="?", help="model source to export once and serve (preset, .gguf, checkpoint dir)")
+    v.add_argument("--bundle", help="serve this bundle directory")
+    v.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: loopback only)")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 endpoints")
+    v.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    v.add_argument("--max-sessions", type=int, help="requests generated at once (rows of the state pool)")
+    v.add_argument("--max-queue", type=int, default=64, help="requests waiting for a row before 429 (default 64)")
+    v.add_argument("--model-name", help="the model id clients use (default: the source's name)")
+    v.add_argument("--deterministic", action="store_true", help="batch-invariant decoding (every step at full size)")
+    v.add_argument("--grace", type=float, default=10.0, help="seconds streams get to finish after SIGTERM")
+    v.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    v.add_argument("--no-conversation-cache", action="store_true", help="prefill every chat's history again")
+    v.add_argument("--conversation-ttl", type=float, default=600.0, help="seconds an idle conversation is kept")
+    v.add_argument("--max-conversations", type=int, help="idle conversations kept (default: as rows allow)")
+    v.set_defaults(fn=_cmd_serve)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    bs = bsub.add_parser("serve", help="N concurrent streaming clients against the OpenAI endpoint")
+    bs.add_argument("source", nargs="?", help="model source to serve in this process (default: embedded SmolLM2)")
+    bs.add_argument("--url", help="benchmark a running server instead (its base URL)")
+    bs.add_argument("--bundle", help="bundle directory to serve in this process")
+    bs.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    bs.add_argument("--clients", default="1,16,64", help="concurrency levels, comma-separated")
+    bs.add_argument("--requests-per-client", type=int, default=4)
+    bs.add_argument("--prompt-len", type=int, default=128)
+    bs.add_argument("--max-tokens", type=int, default=64)
+    bs.add_argument("--max-sessions", type=int, help="pool rows (default: the largest level)")
+    bs.add_argument("--api-key")
+    bs.add_argument("--out", help="write the JSON here (e.g. benchmarks/results/serve_load.json)")
+    bs.set_defaults(fn=_cmd_bench_serve)
 
     i = sub.add_parser("info", help="summarize a bundle's manifest and estimate its memory")
     i.add_argument("bundle")

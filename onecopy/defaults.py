@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -25,12 +26,20 @@ def cache_dir() -> Path:
 
 
 def default_bundle(device: str = "cpu", progress: bool = True, model: str = EMBEDDED_DEFAULT) -> Path:
-    """Path of an embedded model's bundle for ``device``, exporting it on first use."""
+    """Path of a model's bundle for ``device`` in the cache, exporting it on first use.
+
+    ``model`` is any export source: the embedded names, a preset, a .gguf file or a checkpoint dir
+    (a path is keyed by its absolute location).
+    """
     from .export.exporter import export
 
     max_seq_len = WHISPER_MAX_SEQ_LEN if model == EMBEDDED_WHISPER else DEFAULT_MAX_SEQ_LEN
     torch_tag = torch.__version__.split("+")[0]
-    path = cache_dir() / f"{model}-{device}-msl{max_seq_len}-torch{torch_tag}-v{FORMAT_VERSION}"
+    name = str(model)
+    if os.sep in name or Path(name).exists():
+        where = str(Path(name).expanduser().resolve())
+        name = f"{Path(where).name}-{hashlib.sha1(where.encode()).hexdigest()[:8]}"
+    path = cache_dir() / f"{name}-{device}-msl{max_seq_len}-torch{torch_tag}-v{FORMAT_VERSION}"
     try:
         read_manifest(path)
         return path
@@ -38,5 +47,5 @@ def default_bundle(device: str = "cpu", progress: bool = True, model: str = EMBE
         pass  # absent or damaged: (re)build it
     path.parent.mkdir(parents=True, exist_ok=True)
     if progress:
-        print(f"building the embedded bundle {model} into {path}; this happens once", file=sys.stderr)
+        print(f"building the bundle of {model} into {path}; this happens once", file=sys.stderr)
     return export(model, path, max_seq_len=max_seq_len, device=device, overwrite=True, progress=progress)

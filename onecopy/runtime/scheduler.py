@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -53,6 +53,7 @@ class TokenStream:
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self._cancel_requested = False
         self._scheduler: Scheduler | None = None
+        self.session: "Session | None" = None  # the session it ran on; the caller's to close with keep_session
 
     # -- producer side (the scheduler loop) ---------------------------------------------------
     def _push(self, token_id: int) -> None:
@@ -140,8 +141,9 @@ class TokenStream:
             raise self.error
         return list(self.ids)
 
-    def cancel(self) -> None:
-        """Stop generating; the request's row is free when this returns (when called off the loop)."""
+    def cancel(self, wait: bool = True) -> None:
+        """Stop generating. With ``wait`` (and off the loop thread) the request's row is free when this
+        returns; without, within one scheduler iteration (for callers that must not block, like an event loop)."""
         if self.done:
             return
         self._cancel_requested = True
@@ -150,7 +152,7 @@ class TokenStream:
             self._finish("cancelled")
             return
         sched._wake()
-        if threading.current_thread() is not sched._thread:
+        if wait and threading.current_thread() is not sched._thread:
             with self._cond:
                 self._cond.wait_for(lambda: self.finish_reason is not None, timeout=60)
 
@@ -162,7 +164,8 @@ class _Request:
     params: SamplingParams
     stop_ids: frozenset[int]
     session: "Session | None"  # the session it runs on (given by the caller, or opened at admission)
-    own_session: bool  # opened by the scheduler: closed when the request ends
+    own_session: bool  # opened by the scheduler: closed when the request ends (unless keep_session)
+    keep_session: bool = False
     encode_inputs: tuple[torch.Tensor, ...] | None = None
     fed: int = 0  # prompt tokens in the state so far
     generated: int = 0
@@ -172,6 +175,14 @@ class _Request:
     @property
     def reading_prompt(self) -> bool:
         return self.fed < len(self.prompt)
+
+
+class Reclaimer(Protocol):
+    """Something holding idle sessions that may be closed when their rows are needed."""
+
+    def idle(self) -> int: ...
+
+    def reclaim(self) -> bool: ...
 
 
 @dataclass
@@ -195,6 +206,9 @@ class Scheduler:
     """
 
     def __init__(self, engine: "Engine", *, prefill_chunk: int, max_queue: int | None, max_batch: int | None) -> None:
+        """``reclaimer`` (settable later): when a waiting request needs a row and none is free, its
+        ``reclaim()`` is called under the engine lock to close an idle session (e.g. a cached
+        conversation) and says whether it did; its ``idle()`` counts the sessions it could close."""
         if prefill_chunk < 1:
             raise InputError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if max_queue is not None and max_queue < 0:
@@ -211,6 +225,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._next_id = 0
+        self.reclaimer: "Reclaimer | None" = None
 
     # -- public --------------------------------------------------------------------------------
     @property
@@ -223,11 +238,12 @@ class Scheduler:
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
                session: "Session | None" = None, stop_ids: Sequence[int] | None = None,
-               encode_inputs: Sequence[torch.Tensor] | None = None) -> TokenStream:
+               encode_inputs: Sequence[torch.Tensor] | None = None, keep_session: bool = False) -> TokenStream:
         """Queue a request; returns its stream at once. Checks everything it can before queueing.
 
         ``session``: continue that session's state (it stays open afterwards); otherwise a row is
-        taken when one is free and released when the request ends. ``stop_ids`` (default: the
+        taken when one is free and released when the request ends, unless ``keep_session``: then
+        the session (``stream.session``) stays open with the conversation and the caller closes it. ``stop_ids`` (default: the
         model's eos ids) end the request after being emitted. ``encode_inputs`` run through the
         encode method on the row before the prompt (e.g. audio features for a speech model).
         Raises InputError / PromptTooLongError for bad input, QueueFullError when ``max_queue``
@@ -265,9 +281,11 @@ class Scheduler:
             stream = TokenStream(self._next_id, ids, params)
             self._next_id += 1
             stream._scheduler = self
-            req = _Request(stream, ids, params, stop, session, own_session=session is None, encode_inputs=encode_inputs)
+            req = _Request(stream, ids, params, stop, session, own_session=session is None, encode_inputs=encode_inputs,
+                           keep_session=keep_session)
             if session is not None:
                 session._stream = stream
+                stream.session = session
             self._waiting.append(req)
             self.stats.requests_submitted += 1
             self._ensure_thread()
@@ -309,6 +327,8 @@ class Scheduler:
         if self._running:
             return True
         free = self.engine._pool.free_rows
+        if free == 0 and self.reclaimer is not None and self.reclaimer.idle() and any(r.own_session for r in self._waiting):
+            return True  # an idle session can make room
         return any(r.stream._cancel_requested or not r.own_session or free > 0 for r in self._waiting)
 
     def _loop(self) -> None:
@@ -404,7 +424,7 @@ class Scheduler:
         eng = self.engine
         for req in list(self._waiting):
             if req.own_session:
-                if eng._pool.free_rows == 0:
+                if eng._pool.free_rows == 0 and not (self.reclaimer is not None and self.reclaimer.reclaim()):
                     continue  # waits for a row; requests on their own session may still go ahead
                 try:
                     req.session = eng.open_session()
@@ -413,6 +433,7 @@ class Scheduler:
                     self._retire(req, "error", e)
                     continue
                 req.session._stream = req.stream
+                req.stream.session = req.session
             self._waiting.remove(req)
             self._running.append(req)
             req.admitted = True
@@ -436,6 +457,6 @@ class Scheduler:
                 session._stream = None
             if req.admitted:
                 self.engine._sampler.release(session.row)
-            if req.own_session:
+            if req.own_session and not (req.keep_session and reason in ("stop", "length")):
                 session._close_now()
         req.stream._finish(reason, error)

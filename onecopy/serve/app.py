@@ -1,0 +1,362 @@
+"""The OpenAI-compatible HTTP layer over an Engine's scheduler (FastAPI; streaming as server-sent events).
+
+Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions, POST
+/v1/audio/transcriptions (speech bundles), GET /health, GET /metrics. Every request is one
+scheduler request; this module only translates, streams and keeps finished conversations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import InputError, OnecopyError, QueueFullError
+from ..runtime.engine import Engine
+from ..runtime.scheduler import TokenStream
+from ..runtime.session import Session
+from .conversations import ConversationCache
+from .errors import APIError, bad_request
+from .metrics import ServerMetrics
+from .protocol import GenerationRequest, check_model, parse_generation, parse_json
+from .text import ReplyText
+
+
+@dataclass
+class ServerConfig:
+    """How the server behaves (the CLI's options)."""
+
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20  # requests larger than this get 413 (audio uploads included)
+    conversation_cache: bool = True
+    conversation_ttl_s: float = 600.0
+    max_conversations: int | None = None  # None: as many as there are rows (reclaimed when rows are needed)
+    retry_after_s: int = 1
+
+
+@dataclass
+class _Generation:
+    """One generation request in flight: its stream, text state and who owns the session afterwards."""
+
+    state: "ServerState"
+    req: GenerationRequest
+    stream: TokenStream
+    reused: int
+    reply: ReplyText
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def finish_reason(self) -> str:
+        return "stop" if self.reply.stopped or self.stream.finish_reason == "stop" else "length"
+
+    def usage(self) -> dict[str, int]:
+        prompt = len(self.req.prompt_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": len(self.stream.ids),
+                "total_tokens": prompt + len(self.stream.ids)}
+
+    def settle(self) -> None:
+        """After the request (blocking: run in a thread): stop it if still running, then keep the
+        finished conversation in the cache or close the session."""
+        stream, cache = self.stream, self.state.cache
+        if not stream.done:
+            stream.cancel()
+        session: Session | None = stream.session
+        if session is None or session.closed:
+            return
+        tokens = self.req.prompt_ids + stream.ids[:-1]  # the last id was sampled, never fed
+        reusable = (cache is not None and stream.finish_reason in ("stop", "length") and not self.reply.stopped
+                    and session.position == len(tokens) < self.state.engine.max_seq_len)
+        if reusable:
+            cache.put(session, tokens)
+        else:
+            session.close()
+
+    def chunk(self, delta: dict[str, Any] | str | None, finish: str | None = None) -> str:
+        if self.req.kind == "chat":
+            choice = {"index": 0, "delta": delta if delta is not None else {}, "logprobs": None, "finish_reason": finish}
+            obj = {"id": f"chatcmpl-{self.id}", "object": "chat.completion.chunk", "created": self.created,
+                   "model": self.state.config.model_name, "choices": [choice]}
+        else:
+            obj = {"id": f"cmpl-{self.id}", "object": "text_completion", "created": self.created,
+                   "model": self.state.config.model_name,
+                   "choices": [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}]}
+        if self.req.include_usage:
+            obj["usage"] = None
+        return f"data: {json.dumps(obj)}\n\n"
+
+    def text_delta(self, text: str) -> dict[str, Any] | str:
+        return {"content": text} if self.req.kind == "chat" else text
+
+    async def events(self) -> AsyncIterator[str]:
+        """The SSE stream; a client that goes away cancels the request (its row frees within an iteration)."""
+        loop = asyncio.get_running_loop()
+        finished = False
+        try:
+            if self.req.kind == "chat":
+                yield self.chunk({"role": "assistant", "content": ""})
+            try:
+                async for token_id in self.stream:
+                    piece = self.reply.push(token_id)
+                    if piece:
+                        yield self.chunk(self.text_delta(piece))
+                    if self.reply.stopped:
+                        break
+            except OnecopyError as e:
+                yield f"data: {json.dumps(APIError(500, str(e), type='server_error').body())}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+            tail = self.reply.flush()
+            if tail:
+                yield self.chunk(self.text_delta(tail))
+            yield self.chunk({} if self.req.kind == "chat" else "", self.finish_reason())
+            if self.req.include_usage:
+                usage = {"id": f"{'chatcmpl' if self.req.kind == 'chat' else 'cmpl'}-{self.id}",
+                         "object": "chat.completion.chunk" if self.req.kind == "chat" else "text_completion",
+                         "created": self.created, "model": self.state.config.model_name, "choices": [],
+                         "usage": self.usage()}
+                yield f"data: {json.dumps(usage)}\n\n"
+            yield "data: [DONE]\n\n"
+            finished = True
+        finally:
+            if not finished:
+                self.stream.cancel(wait=False)  # never block the event loop; the loop frees the row
+            loop.run_in_executor(None, self._settle_and_count, 200 if finished else 499)
+
+    def _settle_and_count(self, status: int) -> None:
+        self.settle()
+        self.state.count(self.req.kind, status, self.stream, self.reused)
+
+    async def collect(self) -> dict[str, Any]:
+        text = []
+        try:
+            async for token_id in self.stream:
+                text.append(self.reply.push(token_id))
+                if self.reply.stopped:
+                    break
+        finally:
+            await run_in_threadpool(self.settle)
+        text.append(self.reply.flush())
+        self.state.count(self.req.kind, 200, self.stream, self.reused)
+        content = "".join(text)
+        if self.req.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+                      "finish_reason": self.finish_reason()}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": self.finish_reason()}
+            obj = "text_completion"
+        return {"id": f"{'chatcmpl' if self.req.kind == 'chat' else 'cmpl'}-{self.id}", "object": obj,
+                "created": self.created, "model": self.state.config.model_name, "choices": [choice],
+                "usage": self.usage()}
+
+
+class ServerState:
+    """What the handlers share: the engine, the config, the conversation cache, the metrics."""
+
+    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+        self.engine, self.config = engine, config
+        self.speech = "encode" in {engine.method(n).role for n in engine.methods}
+        self.cache = None
+        if config.conversation_cache and not self.speech:
+            self.cache = ConversationCache(config.conversation_ttl_s, config.max_conversations)
+            engine.scheduler.reclaimer = self.cache
+        self.metrics = ServerMetrics(engine, self.cache)
+        self.shutting_down = False
+        self._transcriber = None
+
+    def count(self, endpoint: str, status: int, stream: TokenStream | None = None, reused: int = 0) -> None:
+        self.metrics.requests.labels(endpoint, str(status)).inc()
+        if stream is not None:
+            self.metrics.observe(stream, reused)
+
+    @property
+    def transcriber(self):
+        if self._transcriber is None:
+            from ..transcribe import Transcriber
+
+            self._transcriber = Transcriber(self.engine)
+        return self._transcriber
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body is {declared} bytes; this server takes at most {limit}",
+                       code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+    return bytes(body)
+
+
+def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
+    """The FastAPI app serving ``engine`` (the caller keeps ownership of the engine and closes it)."""
+    state = ServerState(engine, config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async def expire() -> None:
+            while True:
+                await asyncio.sleep(max(config.conversation_ttl_s / 4, 0.05))
+                await run_in_threadpool(state.cache.expire)
+
+        task = asyncio.create_task(expire()) if state.cache is not None else None
+        yield
+        state.shutting_down = True
+        if task is not None:
+            task.cancel()
+        if state.cache is not None:
+            await run_in_threadpool(state.cache.clear)
+
+    app = FastAPI(title="onecopy", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.onecopy = state
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return JSONResponse(APIError(e.status_code, str(e.detail), code=code).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(_: Request, e: Exception) -> JSONResponse:
+        return JSONResponse(APIError(500, f"internal error: {e!r}", type="server_error").body(), status_code=500)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if config.api_key is not None and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
+                what = "No API key provided" if not given else "Incorrect API key provided"
+                state.count(request.url.path, 401)
+                return JSONResponse(APIError(401, f"{what}: send 'Authorization: Bearer <key>' with the key the server "
+                                                  "was started with (--api-key)", code="invalid_api_key").body(),
+                                    status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.shutting_down or engine.closed:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        return JSONResponse({"status": "ok", "rows_free": engine.capacity(), "running": engine.scheduler.running,
+                             "waiting": engine.scheduler.waiting})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
+                                            "owned_by": "onecopy", "max_model_len": engine.max_seq_len}]}
+
+    async def generate(request: Request, kind: str) -> Response:
+        endpoint = "chat" if kind == "chat" else "completion"
+        try:
+            if state.speech:
+                raise bad_request(f"model '{config.model_name}' is a speech model: use /v1/audio/transcriptions",
+                                  param="model")
+            req = parse_generation(parse_json(await _read_body(request, config.max_body_bytes)), kind, engine,
+                                   config.model_name)
+            cache = state.cache if kind == "chat" else None  # conversations are chats; completions leave no state
+            session, reused = cache.take(req.prompt_ids) if cache is not None else (None, 0)
+            try:
+                stream = engine.scheduler.submit(req.prompt_ids[reused:], req.params, session=session,
+                                                 keep_session=session is None and cache is not None,
+                                                 stop_ids=[] if req.ignore_eos else None)
+            except BaseException:
+                if session is not None:
+                    state.cache.put(session, req.prompt_ids[:reused])  # untouched: keep it for the next turn
+                raise
+        except QueueFullError as e:
+            state.count(endpoint, 429)
+            raise APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(config.retry_after_s)}) from None
+        except InputError as e:
+            state.count(endpoint, 400)
+            raise bad_request(str(e), code="invalid_value") from None
+        except APIError as e:
+            state.count(endpoint, e.status)
+            raise
+        run = _Generation(state, req, stream, reused, ReplyText(engine.tokenizer, req.stop))
+        if req.stream:
+            return StreamingResponse(run.events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return JSONResponse(await run.collect())
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await generate(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, "completion")
+
+    @app.post("/v1/audio/transcriptions")
+    async def transcriptions(request: Request) -> Response:
+        from ..audio import AudioError, load_audio
+
+        try:
+            if not state.speech:
+                raise APIError(404, f"model '{config.model_name}' is not a speech model; serve a Whisper bundle to "
+                                    "transcribe", code="model_not_found")
+            declared = request.headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
+                raise APIError(413, f"the upload is {declared} bytes; this server takes at most {config.max_body_bytes}",
+                               code="request_too_large")
+            try:
+                form = await request.form(max_part_size=config.max_body_bytes)
+            except Exception as e:
+                raise bad_request(f"the body must be multipart/form-data with a 'file' field ({e})", param="file") from None
+            check_model({"model": form.get("model")}, config.model_name)
+            upload = form.get("file")
+            if upload is None or isinstance(upload, str):
+                raise bad_request("'file' is required: the audio file (WAV) to transcribe", param="file",
+                                  code="missing_required_parameter")
+            fmt = form.get("response_format") or "json"
+            if fmt not in ("json", "text"):
+                raise bad_request(f"response_format {fmt!r} is not supported; use json or text", param="response_format",
+                                  code="unsupported_parameter")
+            if form.get("language") not in (None, "", "en"):
+                raise bad_request("only English ('en') is transcribed", param="language", code="unsupported_parameter")
+            if form.get("temperature") not in (None, "", "0", "0.0"):
+                raise bad_request("only temperature 0 (greedy) is supported", param="temperature",
+                                  code="unsupported_parameter")
+            data = await upload.read()
+            with tempfile.NamedTemporaryFile(suffix=".wav") as f:
+                f.write(data)
+                f.flush()
+                try:
+                    samples = load_audio(f.name)
+                except AudioError as e:
+                    raise bad_request(str(e), param="file", code="invalid_audio") from None
+            text = (await run_in_threadpool(state.transcriber.transcribe, samples)).text
+        except QueueFullError as e:
+            state.count("transcription", 429)
+            raise APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(config.retry_after_s)}) from None
+        except APIError as e:
+            state.count("transcription", e.status)
+            raise
+        state.count("transcription", 200)
+        return PlainTextResponse(text) if fmt == "text" else JSONResponse({"text": text})
+
+    return app

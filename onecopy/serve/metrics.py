@@ -1,0 +1,65 @@
+"""Prometheus metrics of one server (its own registry: two servers in one process never mix)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from ..runtime.engine import Engine
+    from ..runtime.scheduler import TokenStream
+    from .conversations import ConversationCache
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
+
+
+def _device_used(engine: "Engine") -> float:
+    """Device bytes in use now (the whole device on CUDA, this process on CPU); no device sync."""
+    if engine.closed:
+        return 0.0
+    if engine.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(engine.device)
+        return float(total - free)
+    from ..runtime.memory import device_used
+
+    return float(device_used(engine.device))
+
+
+class ServerMetrics:
+    def __init__(self, engine: "Engine", cache: "ConversationCache | None") -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("onecopy_requests", "Requests by endpoint and HTTP status", ["endpoint", "status"],
+                                registry=r)
+        self.prompt_tokens = Counter("onecopy_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generated_tokens = Counter("onecopy_generation_tokens", "Generated tokens", registry=r)
+        self.prefill_saved = Counter("onecopy_prefix_reused_tokens", "Prompt tokens not prefilled again thanks to a "
+                                     "cached conversation", registry=r)
+        self.ttft = Histogram("onecopy_time_to_first_token_seconds", "Time from request to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("onecopy_inter_token_latency_seconds", "Time between consecutive tokens of a request",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        sched = engine.scheduler
+        Gauge("onecopy_sessions_running", "Requests being generated", registry=r).set_function(lambda: sched.running)
+        Gauge("onecopy_requests_waiting", "Requests waiting for a free row", registry=r).set_function(
+            lambda: sched.waiting)
+        Gauge("onecopy_rows_free", "Free rows of the state pool", registry=r).set_function(
+            lambda: 0 if engine.closed else engine.capacity())
+        Gauge("onecopy_rows_total", "Rows of the state pool", registry=r).set_function(
+            lambda: 0 if engine.closed else engine.max_sessions)
+        Gauge("onecopy_conversations_cached", "Idle conversations kept on the device", registry=r).set_function(
+            lambda: len(cache) if cache is not None else 0)
+        Gauge("onecopy_device_memory_used_bytes", "Device memory in use (device-level)", registry=r).set_function(
+            lambda: _device_used(engine))
+
+    def observe(self, stream: "TokenStream", reused: int) -> None:
+        """Count a finished generation."""
+        self.prompt_tokens.inc(len(stream.prompt_ids) + reused)
+        self.prefill_saved.inc(reused)
+        self.generated_tokens.inc(len(stream.ids))
+        if stream.time_to_first_token is not None:
+            self.ttft.observe(stream.time_to_first_token)
+        for a, b in zip(stream.token_times, stream.token_times[1:]):
+            self.itl.observe(b - a)

@@ -1,0 +1,329 @@
+"""`onecopy serve`: the OpenAI-compatible server, driven by the official openai client over loopback."""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+import onecopy
+from onecopy.serve import BackgroundServer, ServerConfig
+
+QUESTION = "What is the capital of France?"
+
+
+def _client(server, **kw):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=kw.pop("api_key", "unused"), max_retries=0, timeout=120, **kw)
+
+
+def _wait_until(pred, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.fixture
+def tiny_server(tiny_bundle):
+    with onecopy.Engine.load(tiny_bundle, max_sessions=2, max_queue=2) as engine, \
+            BackgroundServer(engine, ServerConfig(model_name="tiny")) as server:
+        server.engine = engine
+        yield server
+
+
+@pytest.fixture(scope="module")
+def smol_engine(smollm2_bundle):
+    with onecopy.Engine.load(smollm2_bundle, max_sessions=4) as engine:
+        yield engine
+
+
+@pytest.fixture
+def smol_server(smol_engine):
+    with BackgroundServer(smol_engine, ServerConfig(model_name="smollm2")) as server:
+        server.engine = smol_engine
+        yield server
+    assert _wait_until(lambda: smol_engine.sessions_open == 0)  # the cache closed every conversation
+
+
+def test_models_health_and_metrics(tiny_server):
+    c = _client(tiny_server)
+    assert [m.id for m in c.models.list()] == ["tiny"]
+    health = httpx.get(tiny_server.url + "/health").json()
+    assert health == {"status": "ok", "rows_free": 2, "running": 0, "waiting": 0}
+    c.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, temperature=0)
+    text = httpx.get(tiny_server.url + "/metrics").text
+    for name in ("onecopy_requests_total{endpoint=\"completion\",status=\"200\"} 1.0", "onecopy_prompt_tokens_total 3.0",
+                 "onecopy_generation_tokens_total 4.0", "onecopy_time_to_first_token_seconds_count 1.0",
+                 "onecopy_inter_token_latency_seconds_count 3.0", "onecopy_sessions_running 0.0",
+                 "onecopy_requests_waiting 0.0", "onecopy_rows_free 2.0", "onecopy_device_memory_used_bytes"):
+        assert name in text, name
+
+
+@pytest.mark.slow
+def test_chat_sync_and_streaming_equal_onecopy_run(smol_server):
+    engine = smol_server.engine
+    with engine.open_session() as s:  # what `onecopy run` does
+        want_ids = [t.id for t in s.generate(QUESTION, onecopy.SamplingParams())]
+    want = engine.tokenizer.decode(want_ids)
+    assert want == "The capital of France is Paris."
+    c = _client(smol_server)
+    r = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTION}], temperature=0)
+    assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
+    prompt = engine.encode_prompt(QUESTION)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt), len(want_ids))
+    assert r.usage.total_tokens == len(prompt) + len(want_ids)
+    chunks = list(c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTION}],
+                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want_ids)
+
+
+@pytest.mark.slow
+def test_stop_strings_and_max_tokens(smol_server):
+    c = _client(smol_server)
+    msgs = [{"role": "user", "content": QUESTION}]
+    r = c.chat.completions.create(model="smollm2", messages=msgs, temperature=0, stop=[" is", "zzz"])
+    assert r.choices[0].message.content == "The capital of France" and r.choices[0].finish_reason == "stop"
+    parts = [ch.choices[0].delta.content or "" for ch in
+             c.chat.completions.create(model="smollm2", messages=msgs, temperature=0, stop="Paris", stream=True)]
+    assert "".join(parts) == "The capital of France is "
+    r = c.chat.completions.create(model="smollm2", messages=msgs, temperature=0, max_tokens=3)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+    assert r.choices[0].message.content == "The capital of"
+
+
+def test_async_client_streams_concurrently(tiny_server):
+    engine = tiny_server.engine
+    prompts = [[4, 5, 6], [7, 8], [9, 10, 11]]
+    want = [engine.submit(p, onecopy.SamplingParams(max_new_tokens=10), stop_ids=[]).result() for p in prompts]
+
+    async def one(client, prompt):
+        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0,
+                                                 stream=True)
+        return "".join([ch.choices[0].text async for ch in stream])
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=tiny_server.url + "/v1", api_key="x", max_retries=0)
+        async with client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    texts = asyncio.run(main())
+    assert texts == [engine.tokenizer.decode(w) for w in want]
+
+
+def test_completions_take_text_or_token_ids(tiny_server):
+    engine = tiny_server.engine
+    c = _client(tiny_server)
+    ids = engine.submit([5, 6, 7], onecopy.SamplingParams(max_new_tokens=6), stop_ids=[]).result()
+    r = c.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=6, temperature=0)
+    assert r.choices[0].text == engine.tokenizer.decode(ids) and r.usage.prompt_tokens == 3
+    r = c.completions.create(model="tiny", prompt="hi", max_tokens=6, temperature=0, seed=3)
+    assert r.usage.prompt_tokens == len(engine.tokenizer.encode("hi")) and r.usage.completion_tokens == 6
+
+
+def test_clients_beyond_capacity_complete_or_get_429(tiny_server):
+    """2 rows and a queue of 2: of 12 simultaneous clients each completes or gets 429; none hangs."""
+    engine = tiny_server.engine
+    real = engine._decode
+
+    def slow(*a, **k):  # slow steps so that the requests really overlap
+        time.sleep(0.01)
+        return real(*a, **k)
+
+    engine._decode = slow
+    results = []
+
+    def client(i):
+        try:
+            stream = _client(tiny_server).completions.create(model="tiny", prompt=[i + 1, 2], max_tokens=20,
+                                                             temperature=0, stream=True)
+            results.append(("ok", sum(1 for _ in stream)))
+        except openai.RateLimitError as e:
+            results.append(("429", e.response.headers.get("retry-after"), e.body["code"]))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    ok = [r for r in results if r[0] == "ok"]
+    refused = [r for r in results if r[0] == "429"]
+    assert len(results) == 12 and len(ok) >= 2 and refused
+    assert all(r[1:] == ("1", "rate_limit_exceeded") for r in refused)
+    assert _wait_until(lambda: engine.capacity() == 2 and engine.scheduler.running == 0 and engine.scheduler.waiting == 0)
+    metrics = httpx.get(tiny_server.url + "/metrics").text
+    assert f'onecopy_requests_total{{endpoint="completion",status="429"}} {float(len(refused))}' in metrics
+
+
+def test_a_client_that_disconnects_frees_its_row(tiny_server):
+    engine = tiny_server.engine
+    real = engine._decode
+    engine._decode = lambda *a, **k: (time.sleep(0.02), real(*a, **k))[1]
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 60, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=30) as http, http.stream("POST", tiny_server.url + "/v1/completions", json=body) as r:
+        events = 0
+        for line in r.iter_lines():
+            events += line.startswith("data:")
+            if events == 3:
+                assert engine.capacity() == 1
+                break
+    t0 = time.monotonic()
+    assert _wait_until(lambda: engine.capacity() == 2 and engine.scheduler.running == 0, timeout=5)
+    assert time.monotonic() - t0 < 1.0  # freed at once, not after the 60 tokens (1.2 s)
+    assert engine.scheduler.stats.requests_finished["cancelled"] == 1
+
+
+def test_api_key_is_enforced(tiny_bundle):
+    with onecopy.Engine.load(tiny_bundle, max_sessions=2) as engine, \
+            BackgroundServer(engine, ServerConfig(model_name="tiny", api_key="s3cret")) as server:
+        with pytest.raises(openai.AuthenticationError) as e:
+            _client(server, api_key="wrong").models.list()
+        assert e.value.body["code"] == "invalid_api_key" and "Incorrect API key" in e.value.body["message"]
+        r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
+        assert r.status_code == 401 and r.json()["error"]["message"].startswith("No API key provided")
+        assert [m.id for m in _client(server, api_key="s3cret").models.list()] == ["tiny"]
+        assert httpx.get(server.url + "/health").status_code == 200  # probes need no key
+
+
+BAD = [
+    ("malformed json", "/v1/completions", b'{"model": "tiny", "prompt": ', 400, "invalid_request_error", None, "invalid_json"),
+    ("not an object", "/v1/completions", b"[1, 2]", 400, "invalid_request_error", None, "invalid_json"),
+    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "invalid_request_error", "model",
+     "model_not_found"),
+    ("missing model", "/v1/completions", {"prompt": "x"}, 400, "invalid_request_error", "model",
+     "missing_required_parameter"),
+    ("n > 1", "/v1/completions", {"model": "tiny", "prompt": "x", "n": 2}, 400, "invalid_request_error", "n",
+     "unsupported_parameter"),
+    ("tools", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                        "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "invalid_request_error", "tools", "unsupported_parameter"),
+    ("logprobs", "/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "invalid_request_error",
+     "logprobs", "unsupported_parameter"),
+    ("temperature", "/v1/completions", {"model": "tiny", "prompt": "x", "temperature": 5}, 400,
+     "invalid_request_error", "temperature", "invalid_value"),
+    ("max_tokens 0", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, 400,
+     "invalid_request_error", "max_tokens", "invalid_value"),
+    ("past max_seq_len", "/v1/completions", {"model": "tiny", "prompt": [1] * 60, "max_tokens": 10}, 400,
+     "invalid_request_error", "max_tokens", "context_length_exceeded"),
+    ("token out of vocabulary", "/v1/completions", {"model": "tiny", "prompt": [1, 512]}, 400,
+     "invalid_request_error", "prompt", "invalid_value"),
+    ("stream_options without stream", "/v1/completions", {"model": "tiny", "prompt": "x",
+                                                          "stream_options": {"include_usage": True}},
+     400, "invalid_request_error", "stream_options", "invalid_value"),
+    ("no chat template", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}]},
+     400, "invalid_request_error", "messages", None),
+    ("bad message", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]},
+     400, "invalid_request_error", "messages[0]", "invalid_value"),
+    ("body too large", "/v1/completions", {"model": "tiny", "prompt": "x" * (5 << 20)}, 413, "invalid_request_error",
+     None, "request_too_large"),
+    ("speech on a text model", "/v1/audio/transcriptions", {"model": "tiny"}, 404, "invalid_request_error", None,
+     "model_not_found"),
+    ("unknown route", "/v1/embeddings", {"model": "tiny"}, 404, "invalid_request_error", None, "not_found"),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])
+def test_bad_requests_get_openai_error_objects(tiny_server, case):
+    _, path, body, status, etype, param, code = case
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(tiny_server.url + path, content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert (err["type"], err["param"], err["code"]) == (etype, param, code), err
+
+
+@pytest.mark.slow
+def test_conversation_reuse_gives_the_same_replies(smol_engine):
+    """A 3-turn chat continues the cached session (only the new turn is prefilled) and replies exactly
+    as a server that prefills the whole history every turn."""
+    turns = ["What is the capital of France?", "And of Germany?", "Which of the two is larger?"]
+
+    def chat(config):
+        with BackgroundServer(smol_engine, config) as server:
+            c, history, replies = _client(server), [], []
+            for t in turns:
+                history.append({"role": "user", "content": t})
+                r = c.chat.completions.create(model="smollm2", messages=history, temperature=0, max_tokens=24)
+                replies.append(r.choices[0].message.content)
+                history.append({"role": "assistant", "content": replies[-1]})
+            metrics = httpx.get(server.url + "/metrics").text
+            hits = server.app.state.onecopy.cache.hits if server.app.state.onecopy.cache else 0
+        return replies, metrics, hits
+
+    reused, metrics, hits = chat(ServerConfig(model_name="smollm2"))
+    fresh, _, _ = chat(ServerConfig(model_name="smollm2", conversation_cache=False))
+    assert reused == fresh
+    assert hits == 2  # turns 2 and 3 continued the previous turn's session
+    saved = float(next(line.split()[1] for line in metrics.splitlines()
+                       if line.startswith("onecopy_prefix_reused_tokens_total")))
+    assert saved > 50
+    assert _wait_until(lambda: smol_engine.sessions_open == 0)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_cli_drains_on_sigterm(tiny_bundle):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "onecopy.cli", "serve", "--bundle", str(tiny_bundle), "--port",
+                             str(port), "--grace", "5", "--model-name", "tiny"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert _wait_until(lambda: _up(url), timeout=120), proc.stderr.read() if proc.poll() is not None else ""
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        stream = client.completions.create(model="tiny", prompt=[1, 2], max_tokens=40, temperature=0, stream=True)
+        first = next(iter(stream))
+        proc.send_signal(signal.SIGTERM)
+        rest = list(stream)  # the running stream finishes within the grace period
+        assert first.choices[0].text is not None and rest and rest[-1].choices[0].finish_reason == "length"
+        assert proc.wait(timeout=30) == 0
+        assert not _up(url)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _up(url):
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.mark.slow
+def test_transcription_endpoint(whisper_bundle, speech_wav, tmp_path):
+    with onecopy.Engine.load(whisper_bundle) as engine, \
+            BackgroundServer(engine, ServerConfig(model_name="whisper")) as server:
+        c = _client(server)
+        with open(speech_wav, "rb") as f:
+            r = c.audio.transcriptions.create(model="whisper", file=f)
+        assert "lazy dog" in r.text.lower()
+        with open(speech_wav, "rb") as f:
+            text = c.audio.transcriptions.create(model="whisper", file=f, response_format="text")
+        assert "lazy dog" in str(text).lower()
+        bad = tmp_path / "notes.wav"
+        bad.write_text("not audio")
+        with open(bad, "rb") as f, pytest.raises(openai.BadRequestError) as e:
+            c.audio.transcriptions.create(model="whisper", file=f)
+        assert e.value.body["param"] == "file" and "not a WAV file" in e.value.body["message"]
+        with pytest.raises(openai.BadRequestError, match="speech model"):
+            c.chat.completions.create(model="whisper", messages=[{"role": "user", "content": "hi"}])
+        assert engine.sessions_open == 0
