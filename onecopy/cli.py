@@ -101,6 +101,22 @@ def _cmd_bench_serve(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_decode(a: argparse.Namespace) -> int:
+    import torch
+
+    from .bench.decode import bench_decode, print_table
+
+    if not torch.cuda.is_available():
+        raise OnecopyError("onecopy bench compares batch-1 generation on a CUDA GPU, and none is visible")
+    bundle = Path(a.bundle) if a.bundle else Path(a.work) / f"{Path(a.source).name}-msl{a.max_seq_len}"
+    res = bench_decode(a.source, bundle, prompt_lens=[int(x) for x in a.prompt_lens.split(",")],
+                       max_seq_len=a.max_seq_len, new_tokens=a.new_tokens,
+                       peers=[p for p in a.peers.split(",") if p], out_dir=Path(a.out_dir), tag=a.tag,
+                       command="onecopy " + " ".join(sys.argv[1:]))
+    print_table(res)
+    return 0
+
+
 def _cmd_export(a: argparse.Namespace) -> int:
     from .export.exporter import export
 
@@ -205,8 +221,19 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-conversations", type=int, help="idle conversations kept (default: as rows allow)")
     v.set_defaults(fn=_cmd_serve)
 
-    b = sub.add_parser("bench", help="benchmarks")
-    bsub = b.add_subparsers(dest="bench", required=True)
+    b = sub.add_parser("bench", help="batch-1 generation next to torch.compile and transformers (CUDA); "
+                                     "`bench serve`: load on the HTTP server")
+    b.add_argument("--source", default="llama3-8b", help="model source (default: the Llama-3-8B shape, random bf16)")
+    b.add_argument("--bundle", help="bundle directory: reused if present, else exported there")
+    b.add_argument("--work", default="/tmp/onecopy-bench", help="where bundles are exported when --bundle is not given")
+    b.add_argument("--prompt-lens", default="128,1024,8192")
+    b.add_argument("--max-seq-len", type=int, default=16384)
+    b.add_argument("--new-tokens", type=int, default=256)
+    b.add_argument("--peers", default="torch.compile,transformers", help="comma-separated; empty for none")
+    b.add_argument("--out-dir", default="benchmarks/results")
+    b.add_argument("--tag", default="cuda", help="suffix of the JSON and PNG names, e.g. h200")
+    b.set_defaults(fn=_cmd_bench_decode)
+    bsub = b.add_subparsers(dest="bench")
     bs = bsub.add_parser("serve", help="N concurrent streaming clients against the OpenAI endpoint")
     bs.add_argument("source", nargs="?", help="model source to serve in this process (default: embedded SmolLM2)")
     bs.add_argument("--url", help="benchmark a running server instead (its base URL)")

@@ -36,9 +36,12 @@ def _run_alone(engine, prompt, params):
         return ids, {k: v.clone() for k, v in s.state.items()}
 
 
-def test_concurrent_requests_equal_their_solo_runs_bit_for_bit(det_chunked):
-    """Deterministic mode, sessions joining and leaving mid-run: tokens and final state rows equal each run alone."""
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+def test_concurrent_requests_equal_their_solo_runs_bit_for_bit(det_chunked, overlap):
+    """Deterministic mode, sessions joining and leaving mid-run: tokens and final state rows equal each run alone.
+    Overlapped: each step is queued before the previous step's ids are read (the CUDA schedule)."""
     engine = det_chunked
+    engine.scheduler.overlap = overlap
     solo = {k: _run_alone(engine, p, sp) for k, (p, sp) in REQUESTS.items()}
     cancelled_prompt = [60, 61, 62, 63]
     cancelled_solo = _run_alone(engine, cancelled_prompt, GREEDY)[0]
@@ -61,6 +64,26 @@ def test_concurrent_requests_equal_their_solo_runs_bit_for_bit(det_chunked):
             assert torch.equal(t, solo[k][1][fqn]), (k, fqn)
     assert got_before_cancel == cancelled_solo[:4] and leaving.finish_reason == "cancelled"
     assert engine.scheduler.stats.prefill_chunks > len(REQUESTS)  # the long prompt went in several chunks
+
+
+def test_overlapped_steps_stop_on_eos_with_the_right_state(tiny_bundle):
+    """With overlap a request that meets a stop id has one more step queued: that step is dropped, the
+    session's position is set back, and continuing the conversation gives what the unoverlapped run gives."""
+    runs = []
+    for overlap in (False, True):
+        with onecopy.Engine.load(tiny_bundle, max_sessions=3) as engine, engine.open_session() as s:
+            engine.scheduler.overlap = overlap
+            free = s.submit([5, 9, 33], GREEDY, stop_ids=[]).result()
+            s.reset()
+            first = s.submit([5, 9, 33], GREEDY, stop_ids=[free[4]]).result()  # stops on its 5th token
+            position = s.position
+            more = s.submit([free[4], 40], GREEDY, stop_ids=[]).result()
+            steps = engine.scheduler.stats.decode_steps
+            runs.append((first, position, more, {k: v[:, :s.position].clone() for k, v in s.state.items()}, steps))
+    (a, pa, ma, sa, na), (b, pb, mb, sb, nb) = runs
+    assert a == b == free[:5] and pa == pb == 3 + 5 - 1 and ma == mb
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)  # every position in use holds the same
+    assert nb == na + 1  # the one extra (dropped) step
 
 
 def test_requests_from_many_threads(tiny_engine):

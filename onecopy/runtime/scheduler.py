@@ -168,7 +168,10 @@ class _Request:
     keep_session: bool = False
     encode_inputs: tuple[torch.Tensor, ...] | None = None
     fed: int = 0  # prompt tokens in the state so far
-    generated: int = 0
+    launched: int = 0  # tokens sampled on the device
+    generated: int = 0  # tokens that reached the stream
+    exhausted: bool = False  # its last token is launched: no more steps
+    start: int = 0  # the session's position when the request was admitted
     admitted: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -183,6 +186,20 @@ class Reclaimer(Protocol):
     def idle(self) -> int: ...
 
     def reclaim(self) -> bool: ...
+
+
+class _Ready:
+    """A completed event, for overlapped scheduling on a device that is synchronous anyway."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+@dataclass(eq=False)
+class _Launched:
+    requests: list[_Request]  # whose ids the step produced, in order
+    ids: "torch.Tensor | list[int]"  # pinned host tensor the ids are copied into (or the ids, on CPU)
+    ready: "torch.cuda.Event | _Ready | None"  # recorded after the copy; None: the ids are here already
 
 
 @dataclass
@@ -226,6 +243,8 @@ class Scheduler:
         self._stopping = False
         self._next_id = 0
         self.reclaimer: "Reclaimer | None" = None
+        # Queue step t+1 before reading step t's ids (CUDA: the host's work hides behind the device's).
+        self.overlap = engine.device.type == "cuda"
 
     # -- public --------------------------------------------------------------------------------
     @property
@@ -332,25 +351,40 @@ class Scheduler:
         return any(r.stream._cancel_requested or not r.own_session or free > 0 for r in self._waiting)
 
     def _loop(self) -> None:
+        pending: _Launched | None = None  # a step whose ids are still on their way to the host
         while True:
             with self._cond:
-                while not self._stopping and not self._has_work():
+                while not self._stopping and pending is None and not self._has_work():
                     self._cond.wait()
                 if self._stopping:
                     return
             try:
                 with self.engine._lock:
-                    self._iteration()
+                    launched = self._launch()
+                    if pending is not None:
+                        self._complete(pending)
+                    pending = None
+                    if launched is not None and launched.ready is None:
+                        self._complete(launched)  # synchronous device (CPU): nothing to overlap
+                    else:
+                        pending = launched
             except BaseException as e:  # never let the loop die: fail what was running, keep serving
+                pending = None
                 with self.engine._lock:
                     for req in list(self._running):
                         self._retire(req, "error", e)
 
-    def _iteration(self) -> None:
+    def _launch(self) -> "_Launched | None":
+        """Queue one iteration's device work (prefill chunk, decode step, sampling, the copy of the ids).
+
+        On CUDA it returns before the ids reach the host, so the next iteration is queued while this
+        one runs; a request that stops on a stop id is therefore decoded once more, and that extra
+        step is dropped (its position is set back when it retires).
+        """
         self._drop_cancelled()
         self._admit()
         if not self._running:
-            return
+            return None
         eng = self.engine
         sample: list[tuple[_Request, torch.Tensor, int]] = []  # (request, logits [n, V], row in logits)
         has_prefill = eng.has_prefill
@@ -363,8 +397,8 @@ class Scheduler:
                 self.stats.prefill_chunks += 1
                 if not req.reading_prompt:
                     sample.append((req, logits, 0))
-        step = [r for r in self._running if not r.reading_prompt and r.generated > 0
-                or (not has_prefill and r.reading_prompt)]
+        step = [r for r in self._running if not r.exhausted and (not r.reading_prompt and r.launched > 0
+                                                                  or (not has_prefill and r.reading_prompt))]
         if self.max_batch is not None and len(step) > self.max_batch:
             k = self._rotation % len(step)
             step = (step[k:] + step[:k])[:self.max_batch]
@@ -374,7 +408,7 @@ class Scheduler:
         if plan_rows:
             plan = eng._sampler.plan([r.session.row for r in plan_rows],
                                      [r.session.position + (1 if r in step else 0) for r in plan_rows],
-                                     [r.generated == 0 for r in plan_rows])
+                                     [r.launched == 0 for r in plan_rows])
         if step:
             fed = [(r.session.row, r.prompt[r.fed]) for r in step if r.reading_prompt]
             if fed:
@@ -389,18 +423,40 @@ class Scheduler:
                         continue  # more prompt to feed: these logits are not sampled
                 sample.append((r, logits, i))
         if not sample:
-            return
+            return None
         assert plan is not None and [r for r, _, _ in sample] == plan_rows
         tokens = eng._sampler.sample(self._gather_logits(sample), plan)
         eng._store_last_tokens(plan, tokens)
-        ids = tokens.tolist()  # the one device-to-host copy of the step
-        for (req, _, _), token_id in zip(sample, ids):
+        for req, _, _ in sample:
+            req.launched += 1
+            # Known now, without the id: this was the request's last token (the stop ids wait for the id).
+            req.exhausted = req.launched >= req.params.max_new_tokens or req.session.position >= eng.max_seq_len
+        requests = [r for r, _, _ in sample]
+        if not self.overlap:
+            return _Launched(requests, tokens.tolist(), None)  # the one device-to-host copy of the step
+        if tokens.device.type != "cuda":
+            return _Launched(requests, tokens, _Ready())  # overlap on a synchronous device: for tests
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)  # the one device-to-host copy of the step
+        ready = torch.cuda.Event()
+        ready.record()
+        return _Launched(requests, host, ready)
+
+    def _complete(self, launched: "_Launched") -> None:
+        """Stream the ids of a launched step and retire the requests that end with them."""
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        ids = launched.ids if isinstance(launched.ids, list) else launched.ids.tolist()
+        for req, token_id in zip(launched.requests, ids):
+            if req.stream.done:
+                continue  # retired meanwhile (cancelled, or an extra step after its stop id)
             req.generated += 1
             self.stats.generated_tokens += 1
             req.stream._push(token_id)
             if token_id in req.stop_ids:
                 self._retire(req, "stop")
-            elif req.generated >= req.params.max_new_tokens or req.session.position >= eng.max_seq_len:
+            elif req.generated >= req.params.max_new_tokens or req.start + len(req.prompt) + req.generated > \
+                    self.engine.max_seq_len:
                 self._retire(req, "length")
 
     def _gather_logits(self, sample: list[tuple[_Request, torch.Tensor, int]]) -> torch.Tensor:
@@ -437,6 +493,7 @@ class Scheduler:
             self._waiting.remove(req)
             self._running.append(req)
             req.admitted = True
+            req.start = req.session.position
             try:
                 if req.encode_inputs is not None:
                     eng._encode(req.session, req.encode_inputs)
@@ -453,6 +510,8 @@ class Scheduler:
         self.stats.requests_finished[reason] += 1
         session = req.session
         if session is not None:
+            if req.admitted:  # undo positions fed by steps launched after the last id (overlap)
+                session.position = min(session.position, req.start + len(req.prompt) + max(req.generated - 1, 0))
             if session._stream is req.stream:
                 session._stream = None
             if req.admitted:

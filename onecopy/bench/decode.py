@@ -1,0 +1,211 @@
+"""`onecopy bench`: batch-1 generation on one GPU, onecopy next to its peers, on the same weights, in one process.
+
+For each prompt length: time to first token, decode ms/token, tok/s, the share of the honest
+bandwidth floor, device peak memory; plus export and compile times. The floor is the bytes one
+decode step must read (every weight except the embedding table, which decode gathers one row of,
+unless it doubles as the LM head; plus the K/V of the filled context) over the device-to-device
+copy bandwidth measured in the same run. Writes JSON, a table and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..models.llama import LlamaConfig
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 2 GiB device-to-device copy (median of 20)."""
+    x = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    times = []
+    for _ in range(20):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        y.copy_(x)
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1000)
+    del x, y
+    torch.cuda.empty_cache()
+    return 2 * 2**31 / statistics.median(times)
+
+
+def floor_bytes(weights: dict[str, Any], cfg: LlamaConfig, context: int) -> tuple[int, int]:
+    """(weight bytes a decode step reads, KV bytes it reads at ``context`` filled positions)."""
+    nbytes = {k: v.numel() * v.element_size() for k, v in weights.items()}
+    w = sum(nbytes.values())
+    if not cfg.tie_embeddings:
+        w -= nbytes["tok_embeddings.weight"]  # gathered one row, not read
+    itemsize = weights["norm.weight"].element_size()
+    kv = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * itemsize * context
+    return w, kv
+
+
+class DevicePeak:
+    """Device-level peak use around a block: use at entry plus the allocator's peak growth inside it."""
+
+    def __enter__(self) -> "DevicePeak":
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        self.start_used = total - free
+        self.start_reserved = torch.cuda.memory_reserved()
+        torch.cuda.reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.synchronize()
+        self.peak = self.start_used + max(torch.cuda.max_memory_reserved() - self.start_reserved, 0)
+
+
+def _row(name: str, prompt_len: int, ttft_s: float, step_ms: float, floor_ms: float, peak: int, **extra) -> dict:
+    return {"system": name, "prompt_len": prompt_len, "ttft_ms": round(1000 * ttft_s, 2),
+            "decode_ms_per_token": round(step_ms, 4), "tok_s": round(1000 / step_ms, 1),
+            "share_of_floor": round(floor_ms / step_ms, 3), "floor_ms": round(floor_ms, 4),
+            "device_peak_bytes": peak, **extra}
+
+
+def run_onecopy(engine, prompt: list[int], new_tokens: int) -> tuple[float, float, float]:
+    """(TTFT s, ms/token through the scheduler, ms/token of the decode graph alone at that context)."""
+    from ..sampling import SamplingParams
+
+    stream = engine.submit(prompt, SamplingParams(max_new_tokens=new_tokens), stop_ids=[])
+    stream.result(timeout=1800)
+    itl = [b - a for a, b in zip(stream.token_times, stream.token_times[1:])]
+    # The graph alone: replay the bucket-1 decode at this context (what the step costs on the device).
+    with engine.open_session() as s:
+        s.position = len(prompt)
+        tok = torch.tensor([1], device=engine.device)
+        for _ in range(5):
+            engine._decode([s.row], [s.position], tok)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(100):
+            engine._decode([s.row], [s.position], tok)
+        end.record()
+        torch.cuda.synchronize()
+        graph_ms = start.elapsed_time(end) / 100
+    return stream.time_to_first_token, 1000 * statistics.mean(itl), graph_ms
+
+
+def bench_decode(source: str, bundle: Path, *, prompt_lens: list[int], max_seq_len: int, new_tokens: int,
+                 peers: list[str], out_dir: Path, tag: str, command: str) -> dict[str, Any]:
+    from .. import export
+    from ..bundle import read_manifest
+    from ..runtime.engine import Engine
+    from .peers import CompiledPeer, TransformersPeer
+
+    res: dict[str, Any] = {"command": command, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                           "source": source, "max_seq_len": max_seq_len, "new_tokens": new_tokens, "rows": []}
+    if not (bundle / "manifest.json").is_file():
+        t0 = time.perf_counter()
+        export(source, bundle, max_seq_len=max_seq_len, device="cuda", overwrite=True, progress=False)
+        res["onecopy_export_s"] = round(time.perf_counter() - t0, 1)
+    cfg = LlamaConfig.from_dict(read_manifest(bundle).config)
+    bw = copy_bandwidth()
+    res["copy_bandwidth_TBps"] = round(bw / 1e12, 3)
+    g = torch.Generator().manual_seed(0)
+    prompts = {n: torch.randint(0, cfg.vocab_size - 1, (n,), generator=g).tolist() for n in prompt_lens}
+
+    def floor_ms(n: int) -> tuple[float, dict]:
+        w, kv = floor_bytes(weights, cfg, n + new_tokens // 2)  # the mean context over the decode
+        return 1000 * (w + kv) / bw, {"weight_bytes_read": w, "kv_bytes_read": kv}
+
+    t0 = time.perf_counter()
+    with DevicePeak() as load_peak:
+        engine = Engine.load(bundle, "cuda", max_sessions=1, prefill_chunk=max_seq_len)
+    res["onecopy_load_s"] = round(time.perf_counter() - t0, 1)
+    weights = {f: engine.weights.get(f) for f in engine.manifest.weights}
+    res["weights"] = {"total_bytes": sum(t.numel() * t.element_size() for t in weights.values()),
+                      "embedding_bytes": weights["tok_embeddings.weight"].numel() * 2,
+                      "tied_embeddings": cfg.tie_embeddings}
+    run_onecopy(engine, prompts[prompt_lens[0]][:16], 8)  # warm-up
+    for n in prompt_lens:
+        with DevicePeak() as peak:
+            ttft, ms, graph_ms = run_onecopy(engine, prompts[n], new_tokens)
+        f, fb = floor_ms(n)
+        res["rows"].append(_row("onecopy", n, ttft, ms, f, max(peak.peak, load_peak.peak), graph_ms=round(graph_ms, 4),
+                                graph_share_of_floor=round(f / graph_ms, 3), **fb))
+        print(res["rows"][-1], file=sys.stderr, flush=True)
+    for name in peers:
+        try:
+            t0 = time.perf_counter()
+            peer = CompiledPeer(weights, cfg, max_seq_len) if name == "torch.compile" else \
+                TransformersPeer(weights, cfg, max_seq_len)
+            peer.generate(prompts[prompt_lens[0]], 4)  # compiles (prefill shapes recompile per length: warmed below)
+            res[f"{name}_compile_s"] = round(time.perf_counter() - t0, 1)
+            for n in prompt_lens:
+                peer.generate(prompts[n], 4)  # warm this length
+                with DevicePeak() as peak:
+                    if name == "torch.compile":
+                        ttft, times = peer.generate(prompts[n], new_tokens)
+                        ms = 1000 * statistics.mean(b - a for a, b in zip(times, times[1:]))
+                    else:
+                        ttft, ms = peer.generate(prompts[n], new_tokens)
+                f, fb = floor_ms(n)
+                res["rows"].append(_row(name, n, ttft, ms, f, peak.peak, **fb))
+                print(res["rows"][-1], file=sys.stderr, flush=True)
+            del peer
+            torch.cuda.empty_cache()
+        except Exception as e:  # keep the rest of the run
+            res[f"{name}_error"] = repr(e)[:800]
+            print(name, "failed:", repr(e)[:300], file=sys.stderr, flush=True)
+    engine.close()
+    by = {(r["system"], r["prompt_len"]): r for r in res["rows"]}
+    res["onecopy_vs_best_peer"] = {}
+    for n in prompt_lens:
+        others = [by[(p, n)] for p in peers if (p, n) in by]
+        if (("onecopy", n) in by) and others:
+            best_tok = max(o["tok_s"] for o in others)
+            best_ttft = min(o["ttft_ms"] for o in others)
+            res["onecopy_vs_best_peer"][str(n)] = {"tok_s_ratio": round(by[("onecopy", n)]["tok_s"] / best_tok, 3),
+                                                   "ttft_ratio": round(by[("onecopy", n)]["ttft_ms"] / best_ttft, 3)}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"bench_{Path(source).name}_{tag}"
+    (out_dir / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    plot(res, out_dir / f"{stem}.png")
+    return res
+
+
+def plot(res: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    systems = list(dict.fromkeys(r["system"] for r in res["rows"]))
+    lens = sorted({r["prompt_len"] for r in res["rows"]})
+    by = {(r["system"], r["prompt_len"]): r for r in res["rows"]}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / max(len(systems), 1)
+    for i, s in enumerate(systems):
+        xs = [j + i * width for j in range(len(lens))]
+        axes[0].bar(xs, [by.get((s, n), {}).get("tok_s", 0) for n in lens], width, label=s)
+        axes[1].bar(xs, [by.get((s, n), {}).get("ttft_ms", 0) for n in lens], width, label=s)
+    for ax, title in zip(axes, ("decode tok/s (batch 1)", "time to first token (ms)")):
+        ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(lens))], [str(n) for n in lens])
+        ax.set_xlabel("prompt tokens")
+        ax.set_title(title)
+    axes[0].legend()
+    fig.suptitle(f"{res['source']} on {res['device']} (max_seq_len {res['max_seq_len']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def print_table(res: dict[str, Any]) -> None:
+    print(f"{'system':<14} {'prompt':>6} {'TTFT ms':>9} {'ms/tok':>8} {'tok/s':>7} {'floor%':>7} {'peak GiB':>9}")
+    for r in res["rows"]:
+        print(f"{r['system']:<14} {r['prompt_len']:>6} {r['ttft_ms']:>9} {r['decode_ms_per_token']:>8} {r['tok_s']:>7} "
+              f"{100 * r['share_of_floor']:>6.1f}% {r['device_peak_bytes'] / 2**30:>9.2f}")
+    print(json.dumps(res.get("onecopy_vs_best_peer", {})))
