@@ -95,7 +95,7 @@ def test_decode_never_materialises_a_gather_of_cache_rows(tiny_bundle):
     import json
 
     m = json.loads((tiny_bundle / "manifest.json").read_text())
-    max_seq_len, head_dim = m["max_seq_len"], m["config"]["head_dim"]
+    _, max_seq_len, head_dim = m["state"]["layers.0.attention.k_cache"]["shape"]  # a row's [heads, positions, dim]
     src = _wrapper_source(tiny_bundle / "methods" / "decode.pt2")
     arrays = dict(re.findall(r"int_array_(\d+)\[\] = \{([^}]*)\}", src))
     sizes = [arrays[a] for a in re.findall(r"aoti_torch_empty_strided\(\d+, int_array_(\d+),", src)]

@@ -25,13 +25,15 @@ def write_rows(pool: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, 
     pool[rows, :, positions] = values
 
 
-def read_row(pool: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-    """Pool row ``row[0]``, [H, S, D], for a prefill chunk's attention.
+def read_row(pool: torch.Tensor, row: torch.Tensor, length: int | None = None) -> torch.Tensor:
+    """Pool row ``row[0]``, [H, S, D] (or its first ``length`` positions), for a prefill chunk's attention.
 
     A copy of one row per layer and chunk (small next to the chunk's matmuls). A view through
     ``row.item()`` exports on CPU but torch 2.11's AOTI CUDA wrapper emits an undeclared symbol
     for its bound check (measured on the H200).
     """
+    if length is not None:
+        pool = pool[:, :, :length]
     return pool.index_select(0, row)[0]
 
 
@@ -68,9 +70,14 @@ def pooled_attention_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     return out.reshape(b, hq, d).to(q.dtype)
 
 
-def chunk_attention(q: torch.Tensor, k_row: torch.Tensor, v_row: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """A chunk's queries (q: [1, Hq, T, D] at ``positions``) against one row's cache [Hkv, S, D], causal."""
-    s = k_row.shape[1]
-    mask = positions[:, None] >= torch.arange(s, device=q.device)[None, :]
+def chunk_attention(q: torch.Tensor, k_row: torch.Tensor, v_row: torch.Tensor, positions: torch.Tensor,
+                    context: torch.Tensor | None = None) -> torch.Tensor:
+    """A chunk's queries (q: [1, Hq, T, D] at ``positions``) against one row's cache [Hkv, S, D], causal.
+
+    ``context`` (arange of the filled length, when given) equals the keys the row holds: k_row and
+    v_row are then that long, not max_seq_len.
+    """
+    keys = context if context is not None else torch.arange(k_row.shape[1], device=q.device)
+    mask = positions[:, None] >= keys[None, :]
     return F.scaled_dot_product_attention(q, k_row[None], v_row[None], attn_mask=mask,
                                           enable_gqa=q.shape[1] != k_row.shape[0])

@@ -48,10 +48,14 @@ def example_pools(specs: dict[str, tuple[list[int], torch.dtype]], fqns: list[st
 
 
 def pooled_methods(specs: dict[str, tuple[list[int], torch.dtype]], max_seq_len: int, device: str,
-                   methods: dict[str, tuple[nn.Module, str]], vocab: list[int]) -> dict[str, MethodDef]:
+                   methods: dict[str, tuple[nn.Module, str]], vocab: list[int],
+                   prefill_context: bool = False) -> dict[str, MethodDef]:
     """MethodDefs for token methods of the two standard roles, every state pool passed to each.
 
-    decode(tokens[B, 1], input_pos[B], rows[B], *pools); prefill(tokens[1, T], input_pos[T], rows[1], *pools).
+    decode(tokens[B, 1], input_pos[B], rows[B], *pools); prefill(tokens[1, T], input_pos[T], rows[1], *pools),
+    or with ``prefill_context`` prefill(tokens[1, T], input_pos[T], context[L], rows[1], *pools) where
+    ``context`` is arange(L), L = the chunk's last position + 1: its length, a dynamic dim, lets the
+    chunk attend to the filled prefix only (the runtime passes a view, no copy).
     """
     fqns = list(specs)
     pools, pool_dims = example_pools(specs, fqns, device)
@@ -74,6 +78,12 @@ def pooled_methods(specs: dict[str, tuple[list[int], torch.dtype]], max_seq_len:
             args = (torch.zeros(1, 2, **long), torch.arange(2, **long), torch.zeros(1, **long))
             shapes = ({1: t}, {0: t}, {})
             inputs = [InputSpec("tokens", "int64", [1, dyn], vocab), InputSpec("input_pos", "int64", [dyn], positions)]
+            if prefill_context:
+                ctx = torch.export.Dim("context", min=1, max=max_seq_len)
+                # example: the chunk at positions 2, 3 of a 4-long prefix
+                args = (args[0], torch.arange(2, 4, **long), torch.arange(4, **long), args[2])
+                shapes = (shapes[0], shapes[1], {0: ctx}, {})
+                inputs.append(InputSpec("context", "int64", [dyn], positions))
         else:
             raise ValueError(f"pooled_methods makes decode and prefill methods, not {role!r}")
         out[name] = MethodDef(module, args + pools, shapes + (pool_dims,), inputs, role, fqns)  # *pools: one entry

@@ -150,8 +150,9 @@ class Attention(nn.Module):
         else:
             write_rows(k_pool, step.rows, step.input_pos, k[0])
             write_rows(v_pool, step.rows, step.input_pos, v[0])
-            y = chunk_attention(q.transpose(1, 2), read_row(k_pool, step.rows), read_row(v_pool, step.rows),
-                                step.input_pos).transpose(1, 2)
+            n_ctx = step.context.shape[0]  # only the filled prefix of the row: its length is a dynamic dim
+            y = chunk_attention(q.transpose(1, 2), read_row(k_pool, step.rows, n_ctx),
+                                read_row(v_pool, step.rows, n_ctx), step.input_pos, step.context).transpose(1, 2)
         return self.wo(y.reshape(n, t, q_size))
 
 
@@ -188,14 +189,16 @@ class Step:
     rows: torch.Tensor  # decode: [B], one per session; prefill: [1]
     input_pos: torch.Tensor  # decode: [B]; prefill: [T]
     decode: bool
+    context: torch.Tensor | None = None  # prefill: arange(last position + 1)
 
 
 class Transformer(nn.Module):
     """Llama-family decoder whose KV cache is a state pool passed in by the runtime.
 
     ``decode(tokens[B, 1], input_pos[B], rows[B], *pools) -> logits[B, vocab]``: one token for each
-    of B sessions; ``prefill(tokens[1, T], input_pos[T], rows[1], *pools) -> logits[1, vocab]``: a
-    chunk of one session's prompt (only the last position's logits: generation needs no others).
+    of B sessions; ``prefill(tokens[1, T], input_pos[T], context[L], rows[1], *pools) -> logits[1, vocab]``:
+    a chunk of one session's prompt (only the last position's logits: generation needs no others),
+    attending to the L = input_pos[-1] + 1 filled positions of its row only.
     ``pools`` are the `state_fqns` tensors in order, each [P, n_kv_heads, max_seq_len, head_dim].
     Calling the module itself (``model(tokens, input_pos)``) prefills one session whose state the
     module keeps: the eager reference the tests compare against.
@@ -217,7 +220,9 @@ class Transformer(nn.Module):
 
     def state_specs(self) -> dict[str, tuple[list[int], torch.dtype]]:
         """Each state tensor's per-session shape and dtype: every layer's K and V cache."""
-        shape = [self.config.n_kv_heads, self.max_seq_len, self.config.head_dim]
+        # One spare position: a prefill's context (at most max_seq_len) is then always a strict prefix of
+        # the row, so export need not special-case a context that spans the whole row.
+        shape = [self.config.n_kv_heads, self.max_seq_len + 1, self.config.head_dim]
         return {f"layers.{i}.attention.{n}": (shape, self.dtype) for i in range(len(self.layers))
                 for n in ("k_cache", "v_cache")}
 
@@ -247,9 +252,10 @@ class Transformer(nn.Module):
                *pools: torch.Tensor) -> torch.Tensor:
         return self._run(tokens, Step(rows, input_pos, decode=True), pools)
 
-    def prefill(self, tokens: torch.Tensor, input_pos: torch.Tensor, rows: torch.Tensor,
+    def prefill(self, tokens: torch.Tensor, input_pos: torch.Tensor, context: torch.Tensor, rows: torch.Tensor,
                 *pools: torch.Tensor) -> torch.Tensor:
-        return self._run(tokens, Step(rows, input_pos, decode=False), pools)
+        torch._check(tokens.shape[1] <= context.shape[0])
+        return self._run(tokens, Step(rows, input_pos, decode=False, context=context), pools)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         """Eager: feed ``tokens[1, T]`` at ``input_pos[T]`` to the module's own single session."""
@@ -259,7 +265,8 @@ class Transformer(nn.Module):
         row = torch.zeros(1, dtype=torch.long, device=tokens.device)
         if tokens.shape[1] == 1:
             return self.decode(tokens, input_pos, row, *self._eager_state)
-        return self.prefill(tokens, input_pos, row, *self._eager_state)
+        context = torch.arange(int(input_pos[-1]) + 1, device=tokens.device)
+        return self.prefill(tokens, input_pos, context, row, *self._eager_state)
 
     def export_methods(self, max_seq_len: int, device: str) -> dict[str, MethodDef]:
         """decode: B sessions x one token (B dynamic, graph-friendly per batch size); prefill: one
@@ -268,7 +275,7 @@ class Transformer(nn.Module):
         return pooled_methods(self.state_specs(), max_seq_len, device, {
             "prefill": (as_method(self, Transformer.prefill), "prefill"),
             "decode": (as_method(self, Transformer.decode), "decode"),
-        }, vocab)
+        }, vocab, prefill_context=True)
 
 
 @dataclass

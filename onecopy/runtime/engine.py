@@ -199,6 +199,7 @@ class Engine:
         # Row ids spaced 16 bytes apart: a one-row view stays 16-byte aligned, as the packages were compiled for
         # (an unaligned input is copied by AOTI on every call).
         self._row_index = torch.arange(rows + 1, device=self.device).repeat_interleave(2)
+        self._arange = torch.arange(m.max_seq_len, device=self.device)  # prefill contexts are views of it
         self._sampler = BatchSampler(rows + 1, vocab, self.device)
         self.deterministic = deterministic
         if decode_buckets is not None and (not decode_buckets or min(decode_buckets) < 1 or max(decode_buckets) > rows):
@@ -383,9 +384,15 @@ class Engine:
     def _pools(self, method: Method) -> list[torch.Tensor]:
         return [self._pool.tensors[f] for f in method.spec.state]
 
+    def _takes_context(self, method: Method) -> bool:
+        return method.role == "prefill" and [i.name for i in method.spec.inputs][2:] == ["context"]
+
     def _run(self, session: Session, name: str, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Run ``name`` eagerly on the session's row (the checked, one-session path)."""
         method = self.method(name)
+        if self._takes_context(method) and len(inputs) == 2 and isinstance(inputs[1], torch.Tensor) and inputs[1].numel():
+            last = int(inputs[1].max())  # the context a chunk attends to ends at its last position
+            inputs = (*inputs, self._arange[:last + 1] if 0 <= last < self.max_seq_len else torch.arange(last + 1))
         method.check_inputs(inputs)
         if method.role == "decode" and inputs[0].shape[0] != 1:
             raise InputError(f"{name} on one session takes a batch of 1, got {inputs[0].shape[0]}; "
@@ -401,8 +408,9 @@ class Engine:
         start = session.position
         tokens = to_device(torch.tensor([ids], dtype=torch.long), self.device)
         positions = torch.arange(start, start + len(ids), device=self.device)
+        context = (self._arange[:start + len(ids)],) if self._takes_context(method) else ()
         with torch.inference_mode():
-            logits = method(tokens, positions, self._rows(session.row), *self._pools(method))
+            logits = method(tokens, positions, *context, self._rows(session.row), *self._pools(method))
         session.position += len(ids)
         return logits
 

@@ -69,7 +69,7 @@ class Method:
         specs = self.spec.inputs
         if len(args) != len(specs):
             raise InputError(f"{self.name} takes {len(specs)} inputs ({', '.join(s.name for s in specs)}), got {len(args)}")
-        for a, s in zip(args, specs):
+        for a, s in zip(args, specs):  # every check of one input before the next input's
             if not isinstance(a, torch.Tensor):
                 raise InputError(f"{self.name} input {s.name!r} must be a tensor, got {type(a).__name__}")
             if a.dtype != parse_dtype(s.dtype):
@@ -81,10 +81,6 @@ class Method:
                 for d, want in zip(a.shape, s.shape))
             if not ok:
                 raise InputError(f"{self.name} input {s.name!r} has shape {list(a.shape)}, compiled for {s.shape}")
-        batch = {a.shape[0] for a, s in zip(args, specs) if isinstance(s.shape[0], dict)}
-        if self.role == "decode" and len(batch) > 1:
-            raise InputError(f"{self.name} inputs disagree on the batch size: {sorted(batch)}; give one entry per session")
-        for a, s in zip(args, specs):
             if s.range is not None and a.numel():
                 lo, hi = (int(v) for v in torch.aminmax(a.detach()))
                 if lo < s.range[0] or hi >= s.range[1]:
@@ -92,6 +88,9 @@ class Method:
                     hint = _RANGE_HINTS.get(s.name, "each value must lie in the range")
                     raise InputError(f"{self.name} input {s.name!r} holds {bad}, outside [{s.range[0]}, {s.range[1]}): "
                                      f"{hint}")
+        batch = {a.shape[0] for a, s in zip(args, specs) if isinstance(s.shape[0], dict)}
+        if self.role == "decode" and len(batch) > 1:
+            raise InputError(f"{self.name} inputs disagree on the batch size: {sorted(batch)}; give one entry per session")
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
         """Run with (user inputs..., rows, *pools); one output is returned as is, several as a list."""
