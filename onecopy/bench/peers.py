@@ -3,8 +3,8 @@
 - `CompiledPeer`: a gpt-fast-style model (fused qkv and gate/up, static KV cache buffers, SDPA with
   a mask over the whole cache), decode compiled with torch.compile(mode="reduce-overhead",
   fullgraph=True), prefill with torch.compile(dynamic=True).
-- `TransformersPeer`: transformers' LlamaForCausalLM, static cache, forward compiled with
-  mode="reduce-overhead" (what the transformers docs recommend for fast generation).
+- `TransformersPeer`: transformers' LlamaForCausalLM with a static cache, which its generate()
+  compiles (reduce-overhead, fullgraph): what the transformers docs recommend for fast generation.
 """
 
 from __future__ import annotations
@@ -108,9 +108,9 @@ class TransformersPeer:
         dev = weights["norm.weight"].device
         model.model.rotary_emb = type(model.model.rotary_emb)(hf_cfg).to(dev)
         model.eval()
+        # generate() compiles the forward itself (reduce-overhead, fullgraph) when the cache is static:
+        # the documented path. Wrapping forward by hand broke its CUDA graphs (outputs overwritten).
         model.generation_config.cache_implementation = "static"
-        model.generation_config.max_length = max_seq_len
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
         self.model, self.max_seq_len, self.device = model, max_seq_len, dev
 
     @torch.no_grad()
@@ -118,8 +118,8 @@ class TransformersPeer:
         ids = torch.tensor([prompt], device=self.device)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        self.model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                            cache_implementation="static", max_length=self.max_seq_len)
+        self.model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static",
+                            pad_token_id=0)
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
