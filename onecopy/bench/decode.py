@@ -202,7 +202,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
         ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(lens))], [str(n) for n in lens])
         ax.set_xlabel("prompt tokens")
         ax.set_title(title)
-    axes[0].legend()
+    axes[0].legend(loc="lower center")
     fig.suptitle(f"{res['source']} on {res['device']} (max_seq_len {res['max_seq_len']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
