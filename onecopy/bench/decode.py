@@ -106,6 +106,11 @@ def bench_decode(source: str, bundle: Path, *, prompt_lens: list[int], max_seq_l
 
     res: dict[str, Any] = {"command": command, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                            "source": source, "max_seq_len": max_seq_len, "new_tokens": new_tokens, "rows": []}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"bench_{Path(source).name}_{tag}"
+
+    def save() -> None:  # after every row: a run cut short still leaves what it measured
+        (out_dir / f"{stem}.json").write_text(json.dumps(res, indent=1))
     if not (bundle / "manifest.json").is_file():
         t0 = time.perf_counter()
         export(source, bundle, max_seq_len=max_seq_len, device="cuda", overwrite=True, progress=False)
@@ -141,6 +146,7 @@ def bench_decode(source: str, bundle: Path, *, prompt_lens: list[int], max_seq_l
         res["rows"].append(_row("onecopy", n, ttft, ms, f, max(peak.peak, load_peak.peak), graph_ms=round(graph_ms, 4),
                                 graph_share_of_floor=round(f / graph_ms, 3), **fb))
         print(res["rows"][-1], file=sys.stderr, flush=True)
+        save()
     for name in peers:
         try:
             t0 = time.perf_counter()
@@ -159,6 +165,7 @@ def bench_decode(source: str, bundle: Path, *, prompt_lens: list[int], max_seq_l
                 f, fb = floor_ms(n)
                 res["rows"].append(_row(name, n, ttft, ms, f, peak.peak, **fb))
                 print(res["rows"][-1], file=sys.stderr, flush=True)
+                save()
             del peer
             torch.cuda.empty_cache()
         except Exception as e:  # keep the rest of the run
@@ -174,9 +181,7 @@ def bench_decode(source: str, bundle: Path, *, prompt_lens: list[int], max_seq_l
             best_ttft = min(o["ttft_ms"] for o in others)
             res["onecopy_vs_best_peer"][str(n)] = {"tok_s_ratio": round(by[("onecopy", n)]["tok_s"] / best_tok, 3),
                                                    "ttft_ratio": round(by[("onecopy", n)]["ttft_ms"] / best_ttft, 3)}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"bench_{Path(source).name}_{tag}"
-    (out_dir / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    save()
     plot(res, out_dir / f"{stem}.png")
     return res
 
