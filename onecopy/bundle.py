@@ -72,6 +72,7 @@ class TensorSpec:
     dtype: str
     sha256: str | None = None  # weights only
     init: str | None = None  # state only: "zeros"
+    recurrent: bool | None = None  # state only: not addressed by position, so a step cannot be undone
 
     @property
     def nbytes(self) -> int:

@@ -177,7 +177,8 @@ def _write_bundle(tmp: Path, src: ModelSource, model: torch.nn.Module, specs: di
     tensors = model.state_dict()  # tied weights appear once: the models reuse the embedding, no alias FQN
     weights = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     save_file(weights, str(tmp / WEIGHTS))
-    state = {k: TensorSpec(shape=list(shape), dtype=dtype_name(dt), init="zeros")
+    recurrent = set(getattr(model, "recurrent_state", list)())
+    state = {k: TensorSpec(shape=list(shape), dtype=dtype_name(dt), init="zeros", recurrent=k in recurrent)
              for k, (shape, dt) in model.state_specs().items()}
     (tmp / TOKENIZER).write_text(src.tokenizer_json)
     manifest = Manifest(

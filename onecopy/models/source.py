@@ -15,6 +15,8 @@ from .ct2_whisper import (hf_config_from_whisper, whisper_config_from_hf, whispe
                           whisper_generation_from_hf)
 from .hf_checkpoint import hf_config_from_llama, hf_to_onecopy, llama_config_from_hf, read_hf_checkpoint
 from .llama import PRESETS, LlamaConfig, Transformer, fill_random, rope_inv_freq
+from . import qwen3_5
+from .qwen3_5 import Qwen35, Qwen35Config
 from .whisper import Whisper, WhisperConfig
 
 EMBEDDED_DEFAULT = "smollm2-135m-instruct"
@@ -26,7 +28,7 @@ class ModelSource:
     """Everything an export needs, independent of where it came from."""
 
     name: str
-    config: LlamaConfig | WhisperConfig
+    config: LlamaConfig | WhisperConfig | Qwen35Config
     hf_state_dict: dict[str, torch.Tensor]  # transformers naming; the reference tests load it as is
     tokenizer_json: str
     eos_token_ids: list[int]
@@ -40,12 +42,16 @@ class ModelSource:
         """Weights under onecopy FQNs (Llama: fused q/k/v and gate/up; Whisper: transformers' names)."""
         if self.family == "whisper":
             return {k: v for k, v in self.hf_state_dict.items() if k != "proj_out.weight"}  # tied to the embedding
+        if self.family in qwen3_5.FAMILIES:
+            return qwen3_5.hf_to_onecopy(self.hf_state_dict, self.config)
         return hf_to_onecopy(self.hf_state_dict, self.config)
 
-    def build(self, max_seq_len: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> "Transformer | Whisper":
+    def build(self, max_seq_len: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> "Transformer | Whisper | Qwen35":
         """The eager model with these weights, ready to run or export."""
         if self.family == "whisper":
             model = Whisper(self.config, max_seq_len, dtype)
+        elif self.family in qwen3_5.FAMILIES:
+            model = Qwen35(self.config, max_seq_len, dtype)
         elif self.random_seed is not None:
             return _random_on_device(self.config, max_seq_len, dtype, torch.device(device), self.random_seed)
         else:
@@ -62,7 +68,9 @@ class ModelSource:
         from safetensors.torch import save_file
 
         path.mkdir(parents=True, exist_ok=True)
-        hf_config = hf_config_from_whisper(self.config) if self.family == "whisper" else hf_config_from_llama(self.config)
+        hf_config = (hf_config_from_whisper(self.config) if self.family == "whisper" else
+                     qwen3_5.hf_config_from_qwen3_5(self.config) if self.family in qwen3_5.FAMILIES else
+                     hf_config_from_llama(self.config))
         (path / "config.json").write_text(json.dumps(hf_config, indent=1))
         save_file({k: v.contiguous() for k, v in self.hf_state_dict.items()}, str(path / "model.safetensors"))
         (path / "tokenizer.json").write_text(self.tokenizer_json)
@@ -208,7 +216,8 @@ def _from_hf_dir(path: Path) -> ModelSource:
         sd = {k: v for f in files for k, v in load_file(str(f)).items()}
         cfg = whisper_config_from_hf(json.loads(cfg_file.read_text()))
         return _whisper_source(path.name, cfg, sd, (path / "tokenizer.json").read_text(), whisper_generation_from_hf(path))
-    config, sd = read_hf_checkpoint(path)
+    qwen = cfg_file.is_file() and json.loads(cfg_file.read_text()).get("model_type") in qwen3_5.MODEL_TYPES
+    config, sd = qwen3_5.read_checkpoint(path) if qwen else read_hf_checkpoint(path)
     tok_file = path / "tokenizer.json"
     if not tok_file.is_file():
         raise ModelSourceError(f"{path} has no tokenizer.json; save the fast tokenizer next to the weights")
@@ -223,12 +232,18 @@ def _from_hf_dir(path: Path) -> ModelSource:
     if (path / "chat_template.jinja").is_file():
         chat_template = (path / "chat_template.jinja").read_text()
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    return ModelSource(name=path.name, config=llama_config_from_hf(config), hf_state_dict=sd,
+    model_cfg = qwen3_5.config_from_hf(config) if qwen else llama_config_from_hf(config)
+    return ModelSource(name=path.name, config=model_cfg, hf_state_dict=sd,
                        tokenizer_json=tok_file.read_text(), eos_token_ids=eos_ids,
-                       bos_token_id=config.get("bos_token_id"), chat_template=chat_template)
+                       bos_token_id=config.get("bos_token_id"), chat_template=chat_template,
+                       family=model_cfg.family if qwen else "llama")
 
 
 def preset_source(name: str, seed: int = 0) -> ModelSource:
+    if name in qwen3_5.PRESETS:
+        cfg, sd = qwen3_5.preset(name, seed)
+        return ModelSource(name=name, config=cfg, hf_state_dict=sd, tokenizer_json=byte_tokenizer_json(cfg.vocab_size),
+                           eos_token_ids=[cfg.vocab_size - 1], family=cfg.family)
     preset = PRESETS[name]
     cfg = LlamaConfig.from_dict(preset.config.to_dict())
     if preset.on_device:
@@ -243,7 +258,7 @@ def resolve_source(source: "str | Path | ModelSource") -> ModelSource:
     if isinstance(source, ModelSource):
         return source
     s = str(source)
-    if s in PRESETS:
+    if s in PRESETS or s in qwen3_5.PRESETS:
         return preset_source(s)
     if s == EMBEDDED_DEFAULT:
         return _from_gguf(embedded_default_gguf(), EMBEDDED_DEFAULT)
@@ -256,5 +271,5 @@ def resolve_source(source: "str | Path | ModelSource") -> ModelSource:
         return _from_gguf(path, path.stem)
     if path.is_dir():
         return _from_hf_dir(path)
-    choices = ", ".join([*PRESETS, EMBEDDED_DEFAULT, EMBEDDED_WHISPER])
+    choices = ", ".join([*PRESETS, *qwen3_5.PRESETS, EMBEDDED_DEFAULT, EMBEDDED_WHISPER])
     raise ModelSourceError(f"model source {s!r} is not a preset ({choices}), a .gguf file or a checkpoint directory")

@@ -259,6 +259,11 @@ class Engine:
         return dim["max"] if isinstance(dim, dict) else dim
 
     @property
+    def recurrent_state(self) -> list[str]:
+        """State tensors not addressed by position (e.g. DeltaNet conv and recurrent state)."""
+        return [f for f, spec in self.manifest.state.items() if spec.recurrent]
+
+    @property
     def max_sessions(self) -> int:
         """Rows of the state pool: the most sessions open at once."""
         return self._pool.rows

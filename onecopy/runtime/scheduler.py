@@ -244,9 +244,23 @@ class Scheduler:
         self._next_id = 0
         self.reclaimer: "Reclaimer | None" = None
         # Queue step t+1 before reading step t's ids (CUDA: the host's work hides behind the device's).
-        self.overlap = engine.device.type == "cuda"
+        # Not with recurrent state: the step queued after a stop id would advance it for good.
+        self._overlap = engine.device.type == "cuda" and not engine.recurrent_state
 
     # -- public --------------------------------------------------------------------------------
+    @property
+    def overlap(self) -> bool:
+        """Whether each step is queued before the previous step's ids are read (on by default on CUDA)."""
+        return self._overlap
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        if on and self.engine.recurrent_state:
+            raise InputError(f"overlapped steps need state that a position can rewind; this bundle has recurrent "
+                             f"state ({self.engine.recurrent_state[0]}, ...), which the extra step after a stop id "
+                             "would advance for good")
+        self._overlap = bool(on)
+
     @property
     def waiting(self) -> int:
         return len(self._waiting)

@@ -1,0 +1,729 @@
+"""Qwen3.5 (dense ``qwen3_5`` and MoE ``qwen3_5_moe``): a hybrid of gated DeltaNet and gated attention.
+
+Most layers are gated DeltaNet linear attention, whose per-session state is a causal-conv window
+(``conv_state`` [conv_dim, kernel], the model dtype, as transformers' cache keeps it) and a
+recurrent matrix per value head (``recurrent_state`` [v_heads, k_head_dim, v_head_dim], always
+fp32, as transformers keeps it); the others (``layer_types``) are gated full attention with q/k
+norms and partial rotary embeddings over a KV cache. The math follows transformers'
+``modeling_qwen3_5`` / ``modeling_qwen3_5_moe`` (text only: the three mrope sections see the same
+positions, so mrope is plain rotary over the first ``head_dim * partial_rotary_factor`` dims).
+
+Like `llama.Transformer`, the state is not module buffers but pools passed in by the runtime, one
+row per session: ``decode`` runs one recurrent step per session (rows gathered, new state written
+back with ``index_copy_``), ``prefill`` runs the chunked gated delta rule over a session's chunk
+of T tokens starting from its row. T is dynamic in export, so the chunking is a fixed number n of
+chunks (`prefill_chunks` = ceil(max_seq_len / linear_chunk_size), at most 32: a static trip
+count) of ``ceil(T / n) + 1`` slots each, the tail padded with tokens that leave the state
+untouched (zero key, beta and log decay); the within-chunk work (UT transform, one batched
+triangular solve) is batched over the chunks, only the state hand-over between chunks is a loop.
+
+A call starting at position 0 starts from a zero state whatever the row holds (the KV cache is
+position-addressed, the recurrent state is not: this keeps "prefill from 0 starts over" true).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ModelSourceError
+from .attention import chunk_attention, pooled_attention, read_row, write_rows
+from .base import MethodDef, as_method, pooled_methods
+from .llama import Step, rope_inv_freq, rotate_half
+
+LINEAR, FULL = "linear_attention", "full_attention"
+MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+FAMILIES = ("qwen3_5", "qwen3_5_moe")
+MAX_PREFILL_CHUNKS = 32  # most sequential chunk steps in one prefill graph (chunks grow beyond that)
+
+
+@dataclass
+class Qwen35Config:
+    """Shape and numerics of a Qwen3.5 text model (MoE when ``num_experts`` > 0)."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # dense MLP width (unused by MoE models)
+    layer_types: list[str] = field(default_factory=list)  # empty: every 4th layer full attention
+    linear_conv_kernel: int = 4
+    linear_n_k_heads: int = 16
+    linear_n_v_heads: int = 32
+    linear_k_head_dim: int = 128
+    linear_v_head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    rope_scaling: dict[str, Any] | None = None  # non-default rope types, transformers' parameters
+    tie_embeddings: bool = False
+    attention_bias: bool = False
+    max_position_embeddings: int = 32768
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    linear_chunk_size: int = 64  # target tokens per DeltaNet prefill chunk (onecopy, not transformers)
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            self.layer_types = [LINEAR if (i + 1) % 4 else FULL for i in range(self.n_layers)]
+        self.layer_types = list(self.layer_types)
+        if len(self.layer_types) != self.n_layers or set(self.layer_types) - {LINEAR, FULL}:
+            raise ValueError(f"layer_types must be {self.n_layers} of {LINEAR!r}/{FULL!r}, got {self.layer_types}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.linear_n_v_heads % self.linear_n_k_heads:
+            raise ValueError(f"linear value heads {self.linear_n_v_heads} not a multiple of key heads {self.linear_n_k_heads}")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"rotary dim {self.rotary_dim} (head_dim * partial_rotary_factor) must be even, in 2..head_dim")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..{self.num_experts}")
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def family(self) -> str:
+        return "qwen3_5_moe" if self.moe else "qwen3_5"
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Qwen35Config":
+        return cls(**d)
+
+
+# ----------------------------------------------------------------------------------------------- layers
+
+class RMSNorm(nn.Module):
+    """Zero-centred RMSNorm: ``norm(x) * (1 + w)`` in fp32, then the input dtype (transformers' order)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """The DeltaNet output norm: ``w * norm(x)`` (plain weight) times ``silu(gate)`` in fp32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        return (h * F.silu(gate.float())).to(dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           state: torch.Tensor, n_chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over one session's T tokens, in ``n_chunks`` chunks of ceil(T / n_chunks) + 1 slots.
+
+    q, k: [H, T, dk] (l2-normalised), v: [H, T, dv], g (log decay), beta: [H, T], state: [H, dk, dv];
+    all fp32. Returns the output [H, T, dv] and the final state. Same math as transformers'
+    ``torch_chunk_gated_delta_rule`` (UT transform per chunk, state passed chunk to chunk); the
+    tail padding (zero q, k, v, beta and log decay) leaves the state exactly as it is.
+    """
+    h, t, dk = k.shape
+    n = n_chunks
+    c = (t + n - 1) // n + 1  # one spare slot per chunk: c >= 2 provably (export would guard on c == 1)
+    q = q * dk ** -0.5
+    q, k, v = (F.pad(x, (0, 0, 0, n * c - t)).view(h, n, c, x.shape[-1]) for x in (q, k, v))
+    g, beta = (F.pad(x, (0, n * c - t)).view(h, n, c) for x in (g, beta))
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    decay = g.cumsum(-1)  # [H, n, c]: log decay from the chunk's start to each position
+    upper = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
+    pairwise = (decay[..., :, None] - decay[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    ut = (k_beta @ k.transpose(-1, -2)) * pairwise  # (I + strictly lower part) is the UT system
+    intra = (q @ k.transpose(-1, -2)) * pairwise
+    rhs = torch.cat([v_beta, k_beta * decay.exp()[..., None]], dim=-1)  # both right-hand sides in one solve
+    new_values, k_cumdecay = torch.linalg.solve_triangular(ut, rhs, upper=False, unitriangular=True).split(
+        [v_beta.shape[-1], dk], dim=-1)
+    q = q * decay.exp()[..., None]
+    k = k * (decay[..., -1:] - decay).exp()[..., None]
+    chunk_decay = decay[..., -1].exp()[..., None, None]  # [H, n, 1, 1]
+    outs = []
+    for i in range(n):  # static trip count: the state hand-over between chunks
+        v_new = new_values[:, i] - k_cumdecay[:, i] @ state
+        outs.append(q[:, i] @ state + intra[:, i] @ v_new)
+        state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
+    out = torch.stack(outs, 1).view(h, n * c, v.shape[-1])
+    # the T real positions (a slice would need t <= n * c proven symbolically)
+    return out.index_select(1, torch.arange(t, device=out.device)), state
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet token mixer; q/k/v, z, b and a projections fused into one ``in_proj``."""
+
+    def __init__(self, cfg: Qwen35Config) -> None:
+        super().__init__()
+        self.nk, self.nv = cfg.linear_n_k_heads, cfg.linear_n_v_heads
+        self.dk, self.dv = cfg.linear_k_head_dim, cfg.linear_v_head_dim
+        self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = cfg.linear_conv_kernel
+        self.in_proj = nn.Linear(cfg.dim, self.conv_dim + self.value_dim + 2 * self.nv, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.nv))
+        self.A_log = nn.Parameter(torch.zeros(self.nv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, step: Step, conv_pool: torch.Tensor, rec_pool: torch.Tensor,
+                n_chunks: int) -> torch.Tensor:
+        """x: [N, T, dim] (decode: N sessions, T = 1; prefill: N = 1)."""
+        n, t, _ = x.shape
+        mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.nv, self.nv], dim=-1)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [N, T, nv] fp32
+        fresh = (step.input_pos == 0) if step.decode else (step.input_pos[:1] == 0)  # [N]: start from zero
+        conv_state = conv_pool.index_select(0, step.rows)  # [N, conv_dim, kernel]
+        conv_state = torch.where(fresh[:, None, None], torch.zeros_like(conv_state), conv_state)
+        window = torch.cat([conv_state, mixed.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # [N, C, kernel + T]
+        conv_pool.index_copy_(0, step.rows, window[..., t:])  # the last `kernel` inputs
+        w = self.conv1d.weight  # [C, 1, kernel]
+        if step.decode:
+            conv = (window[..., 1:] * w[:, 0]).sum(-1, keepdim=True)  # [N, C, 1]
+        else:
+            conv = F.conv1d(window, w, groups=self.conv_dim)[..., 1:]  # [1, C, T]
+        mixed = F.silu(conv).to(x.dtype).transpose(1, 2)  # [N, T, C]
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        rep = self.nv // self.nk
+        q = l2norm(q.reshape(n, t, self.nk, self.dk).float()).repeat_interleave(rep, dim=2)
+        k = l2norm(k.reshape(n, t, self.nk, self.dk).float()).repeat_interleave(rep, dim=2)
+        v = v.reshape(n, t, self.nv, self.dv).float()
+        state = rec_pool.index_select(0, step.rows)  # [N, nv, dk, dv] fp32
+        state = torch.where(fresh[:, None, None, None], torch.zeros_like(state), state)
+        if step.decode:  # one recurrent step per session (transformers' torch_recurrent_gated_delta_rule)
+            q, k, v = q[:, 0] / self.dk ** 0.5, k[:, 0], v[:, 0]  # [N, nv, d]
+            state = state * g[:, 0].exp()[..., None, None]
+            kv_mem = (state * k[..., None]).sum(-2)
+            delta = (v - kv_mem) * beta[:, 0].float()[..., None]
+            state = state + k[..., None] * delta[..., None, :]
+            out = (state * q[..., None]).sum(-2)[:, None]  # [N, 1, nv, dv]
+        else:
+            out, state = chunk_gated_delta_rule(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                                                g[0].transpose(0, 1), beta[0].float().transpose(0, 1), state[0],
+                                                n_chunks)
+            out, state = out.transpose(0, 1)[None], state[None]
+        rec_pool.index_copy_(0, step.rows, state.to(rec_pool.dtype))
+        out = self.norm(out.to(x.dtype), z.reshape(n, t, self.nv, self.dv))
+        return self.out_proj(out.reshape(n, t, self.value_dim))
+
+
+class Attention(nn.Module):
+    """Gated full attention: q (with its per-head output gate), k, v fused in ``wqkv``; q/k norms; partial RoPE."""
+
+    def __init__(self, cfg: Qwen35Config) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.rotary_dim = cfg.rotary_dim
+        q2, kv = 2 * cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.wqkv = nn.Linear(cfg.dim, q2 + 2 * kv, bias=cfg.attention_bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r = self.rotary_dim
+        if r == self.head_dim:
+            return x * cos + rotate_half(x) * sin
+        rot, rest = x[..., :r], x[..., r:]
+        return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Step,
+                k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+        n, t, _ = x.shape
+        hd, q_size, kv_size = self.head_dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        qg, k, v = self.wqkv(x).split([2 * q_size, kv_size, kv_size], dim=-1)
+        q, gate = qg.view(n, t, self.n_heads, 2 * hd).chunk(2, dim=-1)  # per head: [query | gate]
+        q = self._rope(self.q_norm(q), cos, sin)
+        k = self._rope(self.k_norm(k.view(n, t, self.n_kv_heads, hd)), cos, sin)
+        v = v.view(n, t, self.n_kv_heads, hd)
+        if step.decode:
+            write_rows(k_pool, step.rows, step.input_pos, k[:, 0])
+            write_rows(v_pool, step.rows, step.input_pos, v[:, 0])
+            y = pooled_attention(q[:, 0], k_pool, v_pool, step.rows, step.input_pos + 1)[:, None]
+        else:
+            write_rows(k_pool, step.rows, step.input_pos, k[0])
+            write_rows(v_pool, step.rows, step.input_pos, v[0])
+            y = chunk_attention(q.transpose(1, 2), read_row(k_pool, step.rows), read_row(v_pool, step.rows),
+                                step.input_pos).transpose(1, 2)
+        y = y.reshape(n, t, q_size) * torch.sigmoid(gate.reshape(n, t, q_size))
+        return self.wo(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.w13 = nn.Linear(dim, 2 * hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).split([self.hidden, self.hidden], dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Experts(nn.Module):
+    """Routed experts as transformers stores them: gate_up_proj [E, 2I, dim], down_proj [E, dim, I]."""
+
+    def __init__(self, n: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.n, self.hidden = n, hidden
+        self.gate_up_proj = nn.Parameter(torch.zeros(n, 2 * hidden, dim))
+        self.down_proj = nn.Parameter(torch.zeros(n, dim, hidden))
+
+    def routed(self, x: torch.Tensor, idx: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+        """Decode: each token through its own top-k experts only. x: [N, dim]; idx, top: [N, k].
+
+        Written as gathers feeding mul + sum reductions, which Inductor fuses: the kernels read only
+        the routed experts' weights, in place (N * k experts' bytes a step, not all E).
+        """
+        hid = self.hidden
+        gu = (self.gate_up_proj[idx] * x[:, None, None, :]).sum(-1)  # [N, k, 2I]
+        gate, up = gu.split([hid, hid], dim=-1)
+        act = F.silu(gate) * up  # [N, k, I]
+        y = (self.down_proj[idx] * act[:, :, None, :]).sum(-1)  # [N, k, dim]
+        return (y * top[..., None]).sum(1)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Prefill: x: [N, dim]; weights: [N, E] routing weights, zero for experts a token does not use.
+
+        Every expert runs on every token (static shapes, no data-dependent dispatch): E / top_k
+        times the FLOPs of a grouped kernel, but each expert's weights are read once for the chunk.
+        """
+        e, hid = self.n, self.hidden
+        gu = F.linear(x, self.gate_up_proj.reshape(e * 2 * hid, -1)).view(x.shape[0], e, 2 * hid)
+        gate, up = gu.split([hid, hid], dim=-1)
+        act = (F.silu(gate) * up).transpose(0, 1)  # [E, N, I]
+        y = torch.bmm(act, self.down_proj.transpose(1, 2))  # [E, N, dim]
+        return (y * weights.t()[:, :, None]).sum(0)
+
+
+class SparseMoe(nn.Module):
+    """Softmax top-k router (renormalised), routed experts, and a shared expert behind a sigmoid gate."""
+
+    def __init__(self, cfg: Qwen35Config) -> None:
+        super().__init__()
+        self.top_k, self.n_experts = cfg.num_experts_per_tok, cfg.num_experts
+        self.gate = nn.Linear(cfg.dim, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg.num_experts, cfg.dim, cfg.moe_intermediate_size)
+        self.shared_expert = MLP(cfg.dim, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(cfg.dim, 1, bias=False)
+
+    def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])
+        logits = self.gate(h)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float)
+        top, idx = torch.topk(probs, self.top_k, dim=-1)
+        top = (top / top.sum(dim=-1, keepdim=True)).to(logits.dtype)
+        if decode:
+            routed = self.experts.routed(h, idx, top)
+        else:
+            routed = self.experts(h, torch.zeros_like(logits).scatter(1, idx, top))  # [N, E] routing weights
+        shared = torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
+        return (routed + shared).reshape(shape)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Qwen35Config, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
+        if kind == LINEAR:
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
+        self.mlp = SparseMoe(cfg) if cfg.moe else MLP(cfg.dim, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Step, pool_a: torch.Tensor,
+                pool_b: torch.Tensor, n_chunks: int) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.kind == LINEAR:
+            h = self.linear_attn(h, step, pool_a, pool_b, n_chunks)
+        else:
+            h = self.self_attn(h, cos, sin, step, pool_a, pool_b)
+        x = x + h
+        if isinstance(self.mlp, SparseMoe):
+            return x + self.mlp(self.post_attention_layernorm(x), step.decode)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen35(nn.Module):
+    """Qwen3.5 decoder whose state (conv windows, recurrent matrices, KV caches) is pools passed in.
+
+    ``decode(tokens[B, 1], input_pos[B], rows[B], *pools) -> logits[B, vocab]``;
+    ``prefill(tokens[1, T], input_pos[T], rows[1], *pools) -> logits[1, vocab]`` (last position).
+    ``pools`` are the `state_fqns` tensors in order, two per layer (DeltaNet: conv_state,
+    recurrent_state; attention: k_cache, v_cache). ``model(tokens, input_pos)`` runs one session
+    on a state the module keeps: the eager reference.
+    """
+
+    def __init__(self, cfg: Qwen35Config, max_seq_len: int, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config, self.max_seq_len, self.dtype = cfg, max_seq_len, dtype
+        self.prefill_chunks = max(1, min(MAX_PREFILL_CHUNKS, -(-max_seq_len // cfg.linear_chunk_size)))
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, kind) for kind in cfg.layer_types)
+        self.norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
+        if not cfg.tie_embeddings:
+            self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        inv_freq, self.rope_scale = _inv_freq(cfg)
+        self.register_buffer("rope_inv_freq", inv_freq)
+        self.to(dtype)
+        self.rope_inv_freq.data = inv_freq  # RoPE angles stay in fp32 whatever the model dtype
+        self._eager_state: list[torch.Tensor] | None = None
+
+    def state_specs(self) -> dict[str, tuple[list[int], torch.dtype]]:
+        cfg, out = self.config, {}
+        for i, layer in enumerate(self.layers):
+            if layer.kind == LINEAR:
+                la = layer.linear_attn
+                out[f"layers.{i}.linear_attn.conv_state"] = ([la.conv_dim, la.kernel], self.dtype)
+                out[f"layers.{i}.linear_attn.recurrent_state"] = ([la.nv, la.dk, la.dv], torch.float32)
+            else:
+                kv = [cfg.n_kv_heads, self.max_seq_len, cfg.head_dim]
+                out[f"layers.{i}.self_attn.k_cache"] = (kv, self.dtype)
+                out[f"layers.{i}.self_attn.v_cache"] = (kv, self.dtype)
+        return out
+
+    def state_fqns(self) -> list[str]:
+        return list(self.state_specs())
+
+    def recurrent_state(self) -> list[str]:
+        """State that is not addressed by position (conv windows, recurrent matrices): a step written into
+        it cannot be undone by moving the position back, unlike a KV cache."""
+        return [f for f in self.state_specs() if ".linear_attn." in f]
+
+    def _run(self, tokens: torch.Tensor, step: Step, pools: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        x = self.embed_tokens(tokens)
+        freqs = step.input_pos.float()[:, None] * self.rope_inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scale).to(x.dtype)
+        sin = (emb.sin() * self.rope_scale).to(x.dtype)
+        cos, sin = (c[:, None, None, :] if step.decode else c[None, :, None, :] for c in (cos, sin))
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, step, pools[2 * i], pools[2 * i + 1], self.prefill_chunks)
+        x = self.norm(x[:, -1, :])
+        return F.linear(x, self.embed_tokens.weight) if self.config.tie_embeddings else self.lm_head(x)
+
+    def decode(self, tokens: torch.Tensor, input_pos: torch.Tensor, rows: torch.Tensor,
+               *pools: torch.Tensor) -> torch.Tensor:
+        return self._run(tokens, Step(rows, input_pos, decode=True), pools)
+
+    def prefill(self, tokens: torch.Tensor, input_pos: torch.Tensor, rows: torch.Tensor,
+                *pools: torch.Tensor) -> torch.Tensor:
+        return self._run(tokens, Step(rows, input_pos, decode=False), pools)
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """Eager: feed ``tokens[1, T]`` at ``input_pos[T]`` to the module's own single session."""
+        if self._eager_state is None:
+            self._eager_state = [torch.zeros(1, *shape, dtype=dtype, device=tokens.device)
+                                 for shape, dtype in self.state_specs().values()]
+        row = torch.zeros(1, dtype=torch.long, device=tokens.device)
+        if tokens.shape[1] == 1:
+            return self.decode(tokens, input_pos, row, *self._eager_state)
+        return self.prefill(tokens, input_pos, row, *self._eager_state)
+
+    def export_methods(self, max_seq_len: int, device: str) -> dict[str, MethodDef]:
+        vocab = [0, self.config.vocab_size]
+        return pooled_methods(self.state_specs(), max_seq_len, device, {
+            "prefill": (as_method(self, Qwen35.prefill), "prefill"),
+            "decode": (as_method(self, Qwen35.decode), "decode"),
+        }, vocab)
+
+
+def _inv_freq(cfg: Qwen35Config) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies over the rotary part of the head (llama's rope variants, on rotary_dim)."""
+    shim = SimpleNamespace(head_dim=cfg.rotary_dim, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
+                           max_position_embeddings=cfg.max_position_embeddings)
+    return rope_inv_freq(shim)
+
+
+# ----------------------------------------------------------------------------------------------- HF checkpoints
+
+def text_config(c: dict[str, Any]) -> dict[str, Any]:
+    """The text part of a config.json (``qwen3_5``/``qwen3_5_moe`` nest it under ``text_config``)."""
+    if c.get("model_type") in ("qwen3_5", "qwen3_5_moe") and isinstance(c.get("text_config"), dict):
+        t = dict(c["text_config"])
+        t.setdefault("model_type", c["model_type"] + "_text")
+        for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
+            if key in c and key not in t:
+                t[key] = c[key]
+        return t
+    return c
+
+
+def config_from_hf(c: dict[str, Any]) -> Qwen35Config:
+    """Translate a transformers config.json dict (ForCausalLM text config or the multimodal one)."""
+    c = text_config(c)
+    model_type = c.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ModelSourceError(f"model_type {model_type!r} is not a Qwen3.5 model ({', '.join(MODEL_TYPES)})")
+    if c.get("hidden_act", "silu") != "silu":
+        raise ModelSourceError(f"hidden_act {c['hidden_act']!r} is not supported; Qwen3.5 uses silu")
+    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    theta = rope.get("rope_theta") or c.get("rope_theta") or 10000.0
+    prf = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.25))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    scaling = None
+    if kind != "default":
+        scaling = {k: v for k, v in rope.items()
+                   if k not in ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")}
+    n_layers = c["num_hidden_layers"]
+    layer_types = c.get("layer_types") or [
+        LINEAR if (i + 1) % c.get("full_attention_interval", 4) else FULL for i in range(n_layers)]
+    moe = model_type.startswith("qwen3_5_moe")
+    n_heads = c["num_attention_heads"]
+    try:
+        return Qwen35Config(
+            vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=n_layers, n_heads=n_heads,
+            n_kv_heads=c.get("num_key_value_heads") or n_heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,
+            intermediate_size=0 if moe else c["intermediate_size"], layer_types=list(layer_types),
+            linear_conv_kernel=c.get("linear_conv_kernel_dim", 4), linear_n_k_heads=c.get("linear_num_key_heads", 16),
+            linear_n_v_heads=c.get("linear_num_value_heads", 32), linear_k_head_dim=c.get("linear_key_head_dim", 128),
+            linear_v_head_dim=c.get("linear_value_head_dim", 128), rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta), partial_rotary_factor=float(prf), rope_scaling=scaling,
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)), attention_bias=bool(c.get("attention_bias", False)),
+            max_position_embeddings=c.get("max_position_embeddings", 32768),
+            num_experts=c.get("num_experts", 0) if moe else 0,
+            num_experts_per_tok=c.get("num_experts_per_tok", 0) if moe else 0,
+            moe_intermediate_size=c.get("moe_intermediate_size", 0) if moe else 0,
+            shared_expert_intermediate_size=c.get("shared_expert_intermediate_size", 0) if moe else 0)
+    except (KeyError, ValueError) as e:
+        raise ModelSourceError(f"config.json does not describe a Qwen3.5 text model: {e}") from e
+
+
+def hf_config_from_qwen3_5(cfg: Qwen35Config) -> dict[str, Any]:
+    """The transformers config.json of the text model (``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM``)."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta,
+                            "partial_rotary_factor": cfg.partial_rotary_factor}
+    if cfg.rope_scaling:
+        rope.update(cfg.rope_scaling)
+    d: dict[str, Any] = {
+        "architectures": ["Qwen3_5MoeForCausalLM" if cfg.moe else "Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_moe_text" if cfg.moe else "qwen3_5_text",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps, "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.attention_bias,
+        "layer_types": list(cfg.layer_types), "linear_conv_kernel_dim": cfg.linear_conv_kernel,
+        "linear_key_head_dim": cfg.linear_k_head_dim, "linear_value_head_dim": cfg.linear_v_head_dim,
+        "linear_num_key_heads": cfg.linear_n_k_heads, "linear_num_value_heads": cfg.linear_n_v_heads,
+        "rope_parameters": rope,
+    }
+    if cfg.moe:
+        d.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                 moe_intermediate_size=cfg.moe_intermediate_size,
+                 shared_expert_intermediate_size=cfg.shared_expert_intermediate_size)
+    else:
+        d["intermediate_size"] = cfg.intermediate_size
+    return d
+
+
+def hf_to_onecopy(sd: dict[str, torch.Tensor], cfg: Qwen35Config) -> dict[str, torch.Tensor]:
+    """HF names (``model.*`` of the ForCausalLM, or ``model.language_model.*`` of the multimodal
+    checkpoints, whose vision tower and MTP head are skipped) to onecopy FQNs, fusing projections.
+    MoE experts may be stored fused (``experts.gate_up_proj``) or per expert (``experts.N.gate_proj``)."""
+    norm: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        if k.startswith(("model.visual.", "mtp.")) or k.endswith("rotary_emb.inv_freq"):
+            continue
+        norm[k.replace("model.language_model.", "model.", 1)] = v
+    used: set[str] = set()
+
+    def take(name: str) -> torch.Tensor:
+        if name not in norm:
+            raise ModelSourceError(f"checkpoint lacks tensor {name!r}; is this a {cfg.n_layers}-layer Qwen3.5 "
+                                   f"({cfg.family}) text model?")
+        used.add(name)
+        return norm[name]
+
+    def mlp(p: str, a: str) -> dict[str, torch.Tensor]:
+        return {a + "w13.weight": torch.cat([take(p + "gate_proj.weight"), take(p + "up_proj.weight")]),
+                a + "w2.weight": take(p + "down_proj.weight")}
+
+    out = {"embed_tokens.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+    for i, kind in enumerate(cfg.layer_types):
+        p, a = f"model.layers.{i}.", f"layers.{i}."
+        out[a + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
+        out[a + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
+        if kind == LINEAR:
+            la, oa = p + "linear_attn.", a + "linear_attn."
+            out[oa + "in_proj.weight"] = torch.cat([take(la + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")])
+            out[oa + "conv1d.weight"] = take(la + "conv1d.weight")
+            for n in ("dt_bias", "A_log", "norm.weight", "out_proj.weight"):
+                out[oa + n] = take(la + n)
+        else:
+            sa, oa = p + "self_attn.", a + "self_attn."
+            out[oa + "wqkv.weight"] = torch.cat([take(sa + f"{n}_proj.weight") for n in "qkv"])
+            if cfg.attention_bias:
+                out[oa + "wqkv.bias"] = torch.cat([take(sa + f"{n}_proj.bias") for n in "qkv"])
+                out[oa + "wo.bias"] = take(sa + "o_proj.bias")
+            out[oa + "wo.weight"] = take(sa + "o_proj.weight")
+            out[oa + "q_norm.weight"] = take(sa + "q_norm.weight")
+            out[oa + "k_norm.weight"] = take(sa + "k_norm.weight")
+        m, om = p + "mlp.", a + "mlp."
+        if not cfg.moe:
+            out.update(mlp(m, om))
+            continue
+        out[om + "gate.weight"] = take(m + "gate.weight")
+        if m + "experts.gate_up_proj" in norm:
+            out[om + "experts.gate_up_proj"] = take(m + "experts.gate_up_proj")
+            out[om + "experts.down_proj"] = take(m + "experts.down_proj")
+        else:
+            e = range(cfg.num_experts)
+            gate = torch.stack([take(m + f"experts.{j}.gate_proj.weight") for j in e])
+            up = torch.stack([take(m + f"experts.{j}.up_proj.weight") for j in e])
+            out[om + "experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
+            out[om + "experts.down_proj"] = torch.stack([take(m + f"experts.{j}.down_proj.weight") for j in e])
+        out.update(mlp(m + "shared_expert.", om + "shared_expert."))
+        out[om + "shared_expert_gate.weight"] = take(m + "shared_expert_gate.weight")
+    if cfg.tie_embeddings:
+        used.add("lm_head.weight")  # tied checkpoints sometimes store the alias too
+    else:
+        out["lm_head.weight"] = take("lm_head.weight")
+    extra = sorted(set(norm) - used)
+    if extra:
+        raise ModelSourceError(f"checkpoint has tensors onecopy does not map: {extra[:5]}{'...' if len(extra) > 5 else ''}")
+    return out
+
+
+def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """config.json (its text part) and every safetensors shard (indexed or not), vision/MTP tensors skipped."""
+    from safetensors import safe_open
+
+    config = text_config(json.loads((path / "config.json").read_text()))
+    config_from_hf(config)  # refuse what this is not before reading weights
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise ModelSourceError(f"{path} has no *.safetensors weights; convert .bin checkpoints to safetensors first")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        if not (path / f).is_file():
+            raise ModelSourceError(f"shard {f} named in the index is missing from {path}")
+        with safe_open(str(path / f), framework="pt") as st:
+            for k in st.keys():
+                if not k.startswith(("model.visual.", "mtp.")):
+                    sd[k] = st.get_tensor(k)
+    return config, sd
+
+
+# ----------------------------------------------------------------------------------------------- presets
+
+PRESETS: dict[str, Qwen35Config] = {
+    "tiny-qwen3.5": Qwen35Config(
+        vocab_size=512, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, intermediate_size=128,
+        layer_types=[LINEAR, LINEAR, FULL, LINEAR], linear_conv_kernel=4, linear_n_k_heads=2, linear_n_v_heads=4,
+        linear_k_head_dim=16, linear_v_head_dim=16, rope_theta=10000.0, max_position_embeddings=256,
+        linear_chunk_size=32),
+    "tiny-qwen3.5-moe": Qwen35Config(
+        vocab_size=512, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, intermediate_size=0,
+        layer_types=[LINEAR, FULL, LINEAR, FULL], linear_conv_kernel=4, linear_n_k_heads=2, linear_n_v_heads=4,
+        linear_k_head_dim=16, linear_v_head_dim=16, rope_theta=10000.0, max_position_embeddings=256,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        linear_chunk_size=32),
+}
+
+
+def random_hf_state_dict(cfg: Qwen35Config, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded weights under transformers' names, scaled so that logits stay well separated."""
+    g = torch.Generator().manual_seed(seed)
+
+    def lin(out_f: int, in_f: int) -> torch.Tensor:
+        return torch.randn(out_f, in_f, generator=g) / in_f ** 0.5
+
+    def small(*shape: int) -> torch.Tensor:  # zero-centred norm weights (the norm scales by 1 + w)
+        return 0.1 * torch.randn(*shape, generator=g)
+
+    hd, dim = cfg.head_dim, cfg.dim
+    sd = {"model.embed_tokens.weight": torch.randn(cfg.vocab_size, dim, generator=g)}
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"model.layers.{i}."
+        if kind == LINEAR:
+            la = p + "linear_attn."
+            key_dim, value_dim = cfg.linear_n_k_heads * cfg.linear_k_head_dim, cfg.linear_n_v_heads * cfg.linear_v_head_dim
+            nv, kern = cfg.linear_n_v_heads, cfg.linear_conv_kernel
+            sd[la + "in_proj_qkv.weight"] = lin(2 * key_dim + value_dim, dim)
+            sd[la + "in_proj_z.weight"] = lin(value_dim, dim)
+            sd[la + "in_proj_b.weight"] = lin(nv, dim)
+            sd[la + "in_proj_a.weight"] = lin(nv, dim)
+            sd[la + "conv1d.weight"] = torch.randn(2 * key_dim + value_dim, 1, kern, generator=g) / kern ** 0.5
+            sd[la + "dt_bias"] = 1.0 + small(nv)
+            sd[la + "A_log"] = torch.empty(nv).uniform_(0.05, 2.0, generator=g).log()
+            sd[la + "norm.weight"] = 1.0 + small(cfg.linear_v_head_dim)
+            sd[la + "out_proj.weight"] = lin(dim, value_dim)
+        else:
+            sa = p + "self_attn."
+            sd[sa + "q_proj.weight"] = lin(2 * cfg.n_heads * hd, dim)
+            sd[sa + "k_proj.weight"] = lin(cfg.n_kv_heads * hd, dim)
+            sd[sa + "v_proj.weight"] = lin(cfg.n_kv_heads * hd, dim)
+            if cfg.attention_bias:
+                for n, size in (("q", 2 * cfg.n_heads * hd), ("k", cfg.n_kv_heads * hd), ("v", cfg.n_kv_heads * hd),
+                                ("o", dim)):
+                    sd[sa + f"{n}_proj.bias"] = small(size)
+            sd[sa + "o_proj.weight"] = lin(dim, cfg.n_heads * hd)
+            sd[sa + "q_norm.weight"], sd[sa + "k_norm.weight"] = small(hd), small(hd)
+        m = p + "mlp."
+        if cfg.moe:
+            e, hid = cfg.num_experts, cfg.moe_intermediate_size
+            sd[m + "gate.weight"] = lin(e, dim)
+            sd[m + "experts.gate_up_proj"] = torch.randn(e, 2 * hid, dim, generator=g) / dim ** 0.5
+            sd[m + "experts.down_proj"] = torch.randn(e, dim, hid, generator=g) / hid ** 0.5
+            m, hid = m + "shared_expert.", cfg.shared_expert_intermediate_size
+            sd[p + "mlp.shared_expert_gate.weight"] = lin(1, dim)
+        else:
+            hid = cfg.intermediate_size
+        sd[m + "gate_proj.weight"] = lin(hid, dim)
+        sd[m + "up_proj.weight"] = lin(hid, dim)
+        sd[m + "down_proj.weight"] = lin(dim, hid)
+        sd[p + "input_layernorm.weight"] = small(dim)
+        sd[p + "post_attention_layernorm.weight"] = small(dim)
+    sd["model.norm.weight"] = small(dim)
+    if not cfg.tie_embeddings:
+        sd["lm_head.weight"] = lin(cfg.vocab_size, dim)
+    return sd
+
+
+def preset(name: str, seed: int = 0) -> tuple[Qwen35Config, dict[str, torch.Tensor]]:
+    """A preset's config (a copy) and its seeded random weights under transformers' names."""
+    cfg = Qwen35Config.from_dict(PRESETS[name].to_dict())
+    return cfg, random_hf_state_dict(cfg, seed)
