@@ -155,6 +155,16 @@ def test_admission_waits_in_the_queue_and_a_full_queue_raises(tiny_bundle):
         assert engine.capacity() == 1
 
 
+def test_a_burst_that_fits_free_rows_plus_queue_is_accepted(tiny_bundle):
+    """max_queue counts requests waiting for a row, not ones a free row takes at the next admission."""
+    with onecopy.Engine.load(tiny_bundle, max_sessions=2, max_queue=1) as engine:
+        with engine._lock:  # the loop cannot admit anything between these submits
+            streams = [engine.submit([i + 1, 2], GREEDY, stop_ids=[]) for i in range(3)]  # 2 rows + 1 queued
+            with pytest.raises(onecopy.QueueFullError, match=r"1 requests already wait for a free row \(max_queue=1\)"):
+                engine.submit([9, 9], GREEDY)
+        assert all(len(s.result(timeout=60)) == GREEDY.max_new_tokens for s in streams)
+
+
 def test_decode_only_bundle_feeds_prompts_through_batched_decode(tiny_bundle, tmp_path, tiny_source):
     """Without a prefill method, prompt tokens ride the batched decode step, one per iteration."""
     out = onecopy.export(tiny_source, tmp_path / "d", max_seq_len=32, methods=("decode",), progress=False)

@@ -308,8 +308,8 @@ class Scheduler:
         with self._cond:
             if self._stopping:
                 raise EngineClosedError("this Engine is closed; load the bundle again with Engine.load")
-            if self.max_queue is not None and len(self._waiting) >= self.max_queue:
-                raise QueueFullError(f"{len(self._waiting)} requests already wait for a free row (max_queue="
+            if self.max_queue is not None and session is None and self._backlog() >= self.max_queue:
+                raise QueueFullError(f"{self._backlog()} requests already wait for a free row (max_queue="
                                      f"{self.max_queue}); retry later, or load the engine with a larger max_queue")
             stream = TokenStream(self._next_id, ids, params)
             self._next_id += 1
@@ -324,6 +324,16 @@ class Scheduler:
             self._ensure_thread()
             self._cond.notify_all()
         return stream
+
+    def _backlog(self) -> int:
+        """Queued requests that no free row will take at the next admission (caller holds _cond).
+
+        Requests the loop has not admitted yet while rows are free are not waiting for a row:
+        counting them would refuse a burst that fits the pool (three at once into two rows
+        and a queue of two got a 429 when no loop iteration ran between the submits).
+        """
+        need_row = sum(1 for r in self._waiting if r.own_session and not r.stream._cancel_requested)
+        return max(0, need_row - self.engine._pool.free_rows)
 
     def stop(self) -> None:
         """End the loop: every queued or running request finishes as "cancelled"; joins the thread."""
