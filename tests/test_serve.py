@@ -139,16 +139,19 @@ def test_clients_beyond_capacity_complete_or_get_429(tiny_server):
     real = engine._decode
 
     def slow(*a, **k):  # slow steps so that the requests really overlap
-        time.sleep(0.01)
+        time.sleep(0.03)
         return real(*a, **k)
 
     engine._decode = slow
     results = []
+    clients = [_client(tiny_server) for _ in range(12)]
+    start = threading.Barrier(12)  # all twelve ask at once, even on a slow 2-core CI machine
 
     def client(i):
         try:
-            stream = _client(tiny_server).completions.create(model="tiny", prompt=[i + 1, 2], max_tokens=20,
-                                                             temperature=0, stream=True)
+            start.wait()
+            stream = clients[i].completions.create(model="tiny", prompt=[i + 1, 2], max_tokens=20,
+                                                   temperature=0, stream=True)
             results.append(("ok", sum(1 for _ in stream)))
         except openai.RateLimitError as e:
             results.append(("429", e.response.headers.get("retry-after"), e.body["code"]))
