@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from ..errors import ModelSourceError
 from .llama import LlamaConfig
@@ -117,6 +117,11 @@ def read_hf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tens
         raise ModelSourceError(f"{path} has no config.json; point at a Hugging Face checkpoint directory")
     config = json.loads(cfg_file.read_text())
     llama_config_from_hf(config)  # refuse unsupported models before reading gigabytes of weights
+    return config, read_safetensors(path)
+
+
+def read_safetensors(path: Path, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint dir's safetensors shards (indexed or not), names starting with ``skip`` left out."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -128,5 +133,6 @@ def read_hf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tens
     for f in files:
         if not (path / f).is_file():
             raise ModelSourceError(f"shard {f} named in the index is missing from {path}")
-        sd.update(load_file(str(path / f)))
-    return config, sd
+        with safe_open(str(path / f), framework="pt") as st:
+            sd.update({k: st.get_tensor(k) for k in st.keys() if not (skip and k.startswith(skip))})
+    return sd

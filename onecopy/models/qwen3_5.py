@@ -36,6 +36,7 @@ from torch import nn
 from ..errors import ModelSourceError
 from .attention import chunk_attention, pooled_attention, read_row, write_rows
 from .base import MethodDef, as_method, pooled_methods
+from .hf_checkpoint import read_safetensors
 from .llama import Step, rope_inv_freq, rotate_half
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -625,26 +626,9 @@ def hf_to_onecopy(sd: dict[str, torch.Tensor], cfg: Qwen35Config) -> dict[str, t
 
 def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """config.json (its text part) and every safetensors shard (indexed or not), vision/MTP tensors skipped."""
-    from safetensors import safe_open
-
     config = text_config(json.loads((path / "config.json").read_text()))
     config_from_hf(config)  # refuse what this is not before reading weights
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-    if not files:
-        raise ModelSourceError(f"{path} has no *.safetensors weights; convert .bin checkpoints to safetensors first")
-    sd: dict[str, torch.Tensor] = {}
-    for f in files:
-        if not (path / f).is_file():
-            raise ModelSourceError(f"shard {f} named in the index is missing from {path}")
-        with safe_open(str(path / f), framework="pt") as st:
-            for k in st.keys():
-                if not k.startswith(("model.visual.", "mtp.")):
-                    sd[k] = st.get_tensor(k)
-    return config, sd
+    return config, read_safetensors(path, skip=("model.visual.", "mtp."))
 
 
 # ----------------------------------------------------------------------------------------------- presets
