@@ -33,6 +33,30 @@ class MethodDef:
     state: list[str] = field(default_factory=list)
 
 
+class PooledModel(nn.Module):
+    """A token model over the state pool: ``decode``/``prefill`` take rows and pools; ``forward`` is eager.
+
+    Subclasses give ``state_specs``, ``decode(tokens, input_pos, rows, *pools)`` and ``prefill(*
+    prefill_inputs(tokens, input_pos), rows, *pools)``.
+    """
+
+    _eager_state: list[torch.Tensor] | None = None  # a one-session pool for eager calls (not a buffer)
+
+    def prefill_inputs(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The prefill inputs before ``rows`` for a chunk of one session (override to add some)."""
+        return tokens, input_pos
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """Eager: feed ``tokens[1, T]`` at ``input_pos[T]`` to the module's own single session."""
+        if self._eager_state is None:
+            self._eager_state = [torch.zeros(1, *shape, dtype=dtype, device=tokens.device)
+                                 for shape, dtype in self.state_specs().values()]
+        row = torch.zeros(1, dtype=torch.long, device=tokens.device)
+        if tokens.shape[1] == 1:
+            return self.decode(tokens, input_pos, row, *self._eager_state)
+        return self.prefill(*self.prefill_inputs(tokens, input_pos), row, *self._eager_state)
+
+
 def as_method(module: nn.Module, fn: Callable[..., Any]) -> nn.Module:
     """A shallow view of ``module`` whose forward is ``fn``: same parameters, same FQNs."""
     view = copy.copy(module)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import chunk_attention, pooled_attention, read_row, write_rows
-from .base import MethodDef, as_method, pooled_methods
+from .base import MethodDef, PooledModel, as_method, pooled_methods
 
 
 @dataclass
@@ -192,7 +192,7 @@ class Step:
     context: torch.Tensor | None = None  # prefill: arange(last position + 1)
 
 
-class Transformer(nn.Module):
+class Transformer(PooledModel):
     """Llama-family decoder whose KV cache is a state pool passed in by the runtime.
 
     ``decode(tokens[B, 1], input_pos[B], rows[B], *pools) -> logits[B, vocab]``: one token for each
@@ -216,7 +216,6 @@ class Transformer(nn.Module):
         self.register_buffer("rope_inv_freq", inv_freq)
         self.to(dtype)
         self.rope_inv_freq.data = inv_freq  # RoPE angles stay in fp32 whatever the model dtype
-        self._eager_state: list[torch.Tensor] | None = None  # a one-session pool for eager calls (not a buffer)
 
     def state_specs(self) -> dict[str, tuple[list[int], torch.dtype]]:
         """Each state tensor's per-session shape and dtype: every layer's K and V cache."""
@@ -257,16 +256,8 @@ class Transformer(nn.Module):
         torch._check(tokens.shape[1] <= context.shape[0])
         return self._run(tokens, Step(rows, input_pos, decode=False, context=context), pools)
 
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        """Eager: feed ``tokens[1, T]`` at ``input_pos[T]`` to the module's own single session."""
-        if self._eager_state is None:
-            self._eager_state = [torch.zeros(1, *shape, dtype=dtype, device=tokens.device)
-                                 for shape, dtype in self.state_specs().values()]
-        row = torch.zeros(1, dtype=torch.long, device=tokens.device)
-        if tokens.shape[1] == 1:
-            return self.decode(tokens, input_pos, row, *self._eager_state)
-        context = torch.arange(int(input_pos[-1]) + 1, device=tokens.device)
-        return self.prefill(tokens, input_pos, context, row, *self._eager_state)
+    def prefill_inputs(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tokens, input_pos, torch.arange(int(input_pos[-1]) + 1, device=tokens.device)
 
     def export_methods(self, max_seq_len: int, device: str) -> dict[str, MethodDef]:
         """decode: B sessions x one token (B dynamic, graph-friendly per batch size); prefill: one

@@ -35,7 +35,7 @@ from torch import nn
 
 from ..errors import ModelSourceError
 from .attention import chunk_attention, pooled_attention, read_row, write_rows
-from .base import MethodDef, as_method, pooled_methods
+from .base import MethodDef, PooledModel, as_method, pooled_methods
 from .hf_checkpoint import read_safetensors
 from .llama import Step, rope_inv_freq, rotate_half
 
@@ -383,7 +383,7 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen35(nn.Module):
+class Qwen35(PooledModel):
     """Qwen3.5 decoder whose state (conv windows, recurrent matrices, KV caches) is pools passed in.
 
     ``decode(tokens[B, 1], input_pos[B], rows[B], *pools) -> logits[B, vocab]``;
@@ -406,7 +406,6 @@ class Qwen35(nn.Module):
         self.register_buffer("rope_inv_freq", inv_freq)
         self.to(dtype)
         self.rope_inv_freq.data = inv_freq  # RoPE angles stay in fp32 whatever the model dtype
-        self._eager_state: list[torch.Tensor] | None = None
 
     def state_specs(self) -> dict[str, tuple[list[int], torch.dtype]]:
         cfg, out = self.config, {}
@@ -448,16 +447,6 @@ class Qwen35(nn.Module):
     def prefill(self, tokens: torch.Tensor, input_pos: torch.Tensor, rows: torch.Tensor,
                 *pools: torch.Tensor) -> torch.Tensor:
         return self._run(tokens, Step(rows, input_pos, decode=False), pools)
-
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        """Eager: feed ``tokens[1, T]`` at ``input_pos[T]`` to the module's own single session."""
-        if self._eager_state is None:
-            self._eager_state = [torch.zeros(1, *shape, dtype=dtype, device=tokens.device)
-                                 for shape, dtype in self.state_specs().values()]
-        row = torch.zeros(1, dtype=torch.long, device=tokens.device)
-        if tokens.shape[1] == 1:
-            return self.decode(tokens, input_pos, row, *self._eager_state)
-        return self.prefill(tokens, input_pos, row, *self._eager_state)
 
     def export_methods(self, max_seq_len: int, device: str) -> dict[str, MethodDef]:
         vocab = [0, self.config.vocab_size]
