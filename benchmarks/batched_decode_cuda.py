@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,14 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import onecopy  # noqa: E402
+from onecopy.bench.serve_load import pct  # noqa: E402
 from onecopy.models.source import resolve_source  # noqa: E402
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def summarize(starts: list[float], token_times: list[list[float]]) -> dict:
@@ -81,7 +74,7 @@ def transformers_model(engine: onecopy.Engine):
     hf_cfg._attn_implementation = "sdpa"
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(hf_cfg)
-    sd = onecopy_to_hf({f: engine.weights.get(f) for f in engine.manifest.weights if f in engine.weights}, cfg)
+    sd = onecopy_to_hf(engine.weights.as_map(f for f in engine.manifest.weights if f in engine.weights), cfg)
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     assert not unexpected and not missing, (missing, unexpected)
     device = engine.device

@@ -81,7 +81,7 @@ def main() -> None:
            "export_s": round(time.perf_counter() - t0, 1), "context": a.context}
     prompt = list(range(1, 65))
     with onecopy.Engine.load(bundle, dev, max_sessions=1) as engine:
-        weights = {f: engine.weights.get(f) for f in engine.manifest.weights}
+        weights = engine.weights.as_map(engine.manifest.weights)
         state = engine.manifest.state
         s = engine.open_session()
         logits = s.prefill(prompt)

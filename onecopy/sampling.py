@@ -82,7 +82,9 @@ class DrawPlan:
     params: list[SamplingParams]
     first: list[bool]
     ints: torch.Tensor  # int64 [6, n]: pool rows, top-k index, seed, counter, first, greedy
-    floats: torch.Tensor  # float32 [3, n]: repetition penalty, temperature (1 for greedy rows), top-p (inf: off)
+    # float32 [3, n]: repetition penalty, temperature (1 for greedy rows), top-p (inf: off); None when
+    # every row is greedy without a penalty (nothing reads them: no copy on the per-token path)
+    floats: torch.Tensor | None
 
 
 @dataclass
@@ -126,7 +128,7 @@ class BatchSampler:
                     table[row, torch.tensor(valid, dtype=torch.long, device=self.device)] = True
 
     def plan(self, rows: list[int], counters: list[int], first: list[bool]) -> "DrawPlan":
-        """The per-row parameters of one draw, moved to the device in two small copies.
+        """The per-row parameters of one draw, moved to the device in one or two small copies.
 
         Call it before launching the step whose logits it samples: the copies then overlap with
         the step instead of waiting for it. ``counters`` (the position each id will take) key the
@@ -136,10 +138,13 @@ class BatchSampler:
         vocab = self.vocab
         ints = [rows, [min(p.top_k, vocab) - 1 if p.top_k > 0 else vocab - 1 for p in params],
                 [self._row[r].seed for r in rows], counters, [int(f) for f in first], [int(p.greedy) for p in params]]
-        floats = [[p.repetition_penalty for p in params], [p.temperature if not p.greedy else 1.0 for p in params],
-                  [p.top_p if p.top_p < 1.0 else float("inf") for p in params]]
-        return DrawPlan(params, first, to_device(torch.tensor(ints, dtype=torch.long), self.device),
-                        to_device(torch.tensor(floats, dtype=torch.float32), self.device))
+        floats = None
+        if not all(p.greedy and p.repetition_penalty == 1.0 for p in params):
+            floats = to_device(torch.tensor([[p.repetition_penalty for p in params],
+                                             [p.temperature if not p.greedy else 1.0 for p in params],
+                                             [p.top_p if p.top_p < 1.0 else float("inf") for p in params]],
+                                            dtype=torch.float32), self.device)
+        return DrawPlan(params, first, to_device(torch.tensor(ints, dtype=torch.long), self.device), floats)
 
     def sample(self, logits: torch.Tensor, plan: "DrawPlan") -> torch.Tensor:
         """Draw one id per row of ``logits`` [n, vocab] (row i belongs to pool row ``plan.rows[i]``).

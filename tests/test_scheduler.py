@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import onecopy
-from onecopy.runtime import method as method_mod
 
 GREEDY = onecopy.SamplingParams(max_new_tokens=12)
 # Different prompt lengths (one longer than the prefill chunk) and sampling parameters.

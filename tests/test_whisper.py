@@ -13,7 +13,7 @@ from onecopy.audio import AudioError, LogMel, load_audio, read_wav, resample
 from onecopy.runtime import method as method_mod
 from onecopy.transcribe import Transcriber, transcribe_file, transcribe_files
 
-from .conftest import SPOKEN, HostReads
+from .conftest import HostReads
 
 pytestmark = pytest.mark.slow
 

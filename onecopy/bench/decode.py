@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..models.llama import LlamaConfig
+from ..runtime.memory import device_used
 
 
 def copy_bandwidth() -> float:
@@ -55,9 +56,7 @@ class DevicePeak:
     """Device-level peak use around a block: use at entry plus the allocator's peak growth inside it."""
 
     def __enter__(self) -> "DevicePeak":
-        torch.cuda.synchronize()
-        free, total = torch.cuda.mem_get_info()
-        self.start_used = total - free
+        self.start_used = device_used(torch.device("cuda", torch.cuda.current_device()))
         self.start_reserved = torch.cuda.memory_reserved()
         torch.cuda.reset_peak_memory_stats()
         return self
@@ -133,9 +132,9 @@ def bench_decode(source: str, bundle: Path, *, prompt_lens: list[int], max_seq_l
     with DevicePeak() as load_peak:
         engine = Engine.load(bundle, "cuda", max_sessions=1, prefill_chunk=max_seq_len)
     res["onecopy_load_s"] = round(time.perf_counter() - t0, 1)
-    weights = {f: engine.weights.get(f) for f in engine.manifest.weights}
-    res["weights"] = {"total_bytes": sum(t.numel() * t.element_size() for t in weights.values()),
-                      "embedding_bytes": weights["tok_embeddings.weight"].numel() * 2,
+    weights = engine.weights.as_map(engine.manifest.weights)
+    res["weights"] = {"total_bytes": sum(t.nbytes for t in weights.values()),
+                      "embedding_bytes": weights["tok_embeddings.weight"].nbytes,
                       "tied_embeddings": cfg.tie_embeddings}
     run_onecopy(engine, prompts[prompt_lens[0]][:16], 8)  # warm-up
     for n in prompt_lens:

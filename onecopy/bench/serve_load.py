@@ -27,10 +27,10 @@ class _Result:
     itl: list[float]
     tokens: int
     ok: bool
-    status: int = 200
 
 
 def pct(xs: list[float], q: float) -> float | None:
+    """The ``q`` quantile of ``xs`` (nearest rank), None when empty."""
     if not xs:
         return None
     xs = sorted(xs)
@@ -44,7 +44,7 @@ async def _one(http: httpx.AsyncClient, url: str, body: dict[str, Any], headers:
     async with http.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
             await r.aread()
-            return _Result(0.0, [], 0, False, r.status_code)
+            return _Result(0.0, [], 0, False)
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue

@@ -10,7 +10,7 @@ return only the last position's logits: generation never needs the others.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch

@@ -168,9 +168,6 @@ class Whisper(nn.Module):
     def state_fqns(self) -> list[str]:
         return list(self.state_specs())
 
-    def self_fqns(self) -> list[str]:
-        return [f for f in self.state_specs() if ".self_attn." in f]
-
     def cross_fqns(self) -> list[str]:
         return [f for f in self.state_specs() if ".encoder_attn." in f]
 

@@ -12,10 +12,14 @@ from dataclasses import dataclass, field
 import torch
 
 
-def device_used(device: torch.device) -> int:
-    """Bytes in use on the device as the device sees it (CUDA), or this process's RSS (CPU)."""
+def device_used(device: torch.device, sync: bool = True) -> int:
+    """Bytes in use on the device as the device sees it (CUDA), or this process's RSS (CPU).
+
+    ``sync=False`` reads without waiting for queued work (metrics scraped while the device runs).
+    """
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        if sync:
+            torch.cuda.synchronize(device)
         free, total = torch.cuda.mem_get_info(device)
         return total - free
     with open("/proc/self/statm") as f:

@@ -65,9 +65,6 @@ class StatePool:
         if self.tensors:
             torch._foreach_zero_([t[row] for t in self.tensors.values()])
 
-    def in_use(self, row: int) -> bool:
-        return 0 <= row < self.rows and row not in self._free
-
     def release_memory(self) -> None:
         """Free the device memory now, even if a compiled runner still references the tensors."""
         self.buffer.untyped_storage().resize_(0)

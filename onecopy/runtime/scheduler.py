@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -173,7 +173,6 @@ class _Request:
     exhausted: bool = False  # its last token is launched: no more steps
     start: int = 0  # the session's position when the request was admitted
     admitted: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def reading_prompt(self) -> bool:
@@ -427,28 +426,27 @@ class Scheduler:
             k = self._rotation % len(step)
             step = (step[k:] + step[:k])[:self.max_batch]
             self._rotation += self.max_batch
-        plan_rows = [r for r, _, _ in sample] + [r for r in step if not r.reading_prompt or r.fed + 1 == len(r.prompt)]
+        # Step rows whose logits get sampled: all but those with more prompt to feed after this token.
+        sampled = [(i, r) for i, r in enumerate(step) if not r.reading_prompt or r.fed + 1 == len(r.prompt)]
+        # Positions after this iteration: the prefilled request's is final, the step rows advance by one.
+        plan_rows = [(r, r.session.position) for r, _, _ in sample] + [(r, r.session.position + 1) for _, r in sampled]
         plan = None
         if plan_rows:
-            plan = eng._sampler.plan([r.session.row for r in plan_rows],
-                                     [r.session.position + (1 if r in step else 0) for r in plan_rows],
-                                     [r.launched == 0 for r in plan_rows])
+            plan = eng._sampler.plan([r.session.row for r, _ in plan_rows], [p for _, p in plan_rows],
+                                     [r.launched == 0 for r, _ in plan_rows])
         if step:
             fed = [(r.session.row, r.prompt[r.fed]) for r in step if r.reading_prompt]
             if fed:
                 eng._set_last_tokens([row for row, _ in fed], [t for _, t in fed])
             logits = eng._decode([r.session.row for r in step], [r.session.position for r in step])
             self.stats.decode_steps += 1
-            for i, r in enumerate(step):
+            for r in step:
                 r.session.position += 1
                 if r.reading_prompt:
                     r.fed += 1
-                    if r.reading_prompt:
-                        continue  # more prompt to feed: these logits are not sampled
-                sample.append((r, logits, i))
+            sample += [(r, logits, i) for i, r in sampled]
         if not sample:
             return None
-        assert plan is not None and [r for r, _, _ in sample] == plan_rows
         tokens = eng._sampler.sample(self._gather_logits(sample), plan)
         eng._store_last_tokens(plan, tokens)
         for req, _, _ in sample:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ..runtime.memory import device_used
 
 if TYPE_CHECKING:
     from ..runtime.engine import Engine
@@ -17,14 +18,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.
 
 def _device_used(engine: "Engine") -> float:
     """Device bytes in use now (the whole device on CUDA, this process on CPU); no device sync."""
-    if engine.closed:
-        return 0.0
-    if engine.device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(engine.device)
-        return float(total - free)
-    from ..runtime.memory import device_used
-
-    return float(device_used(engine.device))
+    return 0.0 if engine.closed else float(device_used(engine.device, sync=False))
 
 
 class ServerMetrics:
