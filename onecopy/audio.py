@@ -34,12 +34,16 @@ def read_wav(path: str | Path) -> tuple[np.ndarray, int]:
     path = Path(path)
     if not path.is_file():
         raise AudioError(f"{path} does not exist")
-    data = path.read_bytes()
+    return parse_wav(path.read_bytes(), str(path))
+
+
+def parse_wav(data: bytes, path: str) -> tuple[np.ndarray, int]:
+    """`read_wav` of bytes already read; ``path`` names them in errors (a file name, an upload)."""
     if not data:
         raise AudioError(f"{path} is empty; record or convert a WAV file with some audio in it")
     if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
         raise AudioError(f"{path} is not a WAV file (no RIFF/WAVE header); convert it, e.g. "
-                         f"`ffmpeg -i {path.name} -ar 16000 -ac 1 out.wav`")
+                         f"`ffmpeg -i {Path(path).name} -ar 16000 -ac 1 out.wav`")
     fmt, fmt_body, pcm, off = None, b"", None, 12
     while off + 8 <= len(data):
         cid, size = data[off:off + 4], struct.unpack_from("<I", data, off + 4)[0]
@@ -102,7 +106,16 @@ def resample(x: np.ndarray, rate: int, target: int = SAMPLE_RATE) -> np.ndarray:
 
 def load_audio(path: str | Path) -> np.ndarray:
     """16 kHz mono float32 samples of a WAV file, checked for length."""
-    x, rate = read_wav(path)
+    return audio_samples(*read_wav(path), str(path))
+
+
+def load_audio_bytes(data: bytes, name: str) -> np.ndarray:
+    """`load_audio` of WAV bytes (an upload); ``name`` names them in errors."""
+    return audio_samples(*parse_wav(data, name), name)
+
+
+def audio_samples(x: np.ndarray, rate: int, path: str) -> np.ndarray:
+    """``x`` at ``rate`` resampled to 16 kHz, checked for length."""
     x = resample(x, rate)
     if len(x) < MIN_SECONDS * SAMPLE_RATE:
         raise AudioError(f"{path} holds {len(x) / SAMPLE_RATE:.3f} s of audio; at least {MIN_SECONDS} s is needed")

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import hmac
 import json
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -312,7 +311,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/audio/transcriptions")
     async def transcriptions(request: Request) -> Response:
-        from ..audio import AudioError, load_audio
+        from ..audio import AudioError, load_audio_bytes
 
         try:
             if not state.speech:
@@ -340,15 +339,15 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             if form.get("temperature") not in (None, "", "0", "0.0"):
                 raise bad_request("only temperature 0 (greedy) is supported", param="temperature",
                                   code="unsupported_parameter")
-            data = await upload.read()
-            with tempfile.NamedTemporaryFile(suffix=".wav") as f:
-                f.write(data)
-                f.flush()
-                try:
-                    samples = load_audio(f.name)
-                except AudioError as e:
-                    raise bad_request(str(e), param="file", code="invalid_audio") from None
-            text = (await run_in_threadpool(state.transcriber.transcribe, samples)).text
+            data, name = await upload.read(), upload.filename or "the upload"
+
+            def transcribe() -> str:  # parsing, resampling and decoding all off the event loop
+                return state.transcriber.transcribe(load_audio_bytes(data, name)).text
+
+            try:
+                text = await run_in_threadpool(transcribe)
+            except AudioError as e:
+                raise bad_request(str(e), param="file", code="invalid_audio") from None
         except QueueFullError as e:
             state.count("transcription", 429)
             raise APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded",
