@@ -157,11 +157,13 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    """SwiGLU with gate and up fused into one GEMM (w13)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        self.hidden = cfg.intermediate_size
-        self.w13 = nn.Linear(cfg.dim, 2 * cfg.intermediate_size, bias=False)
-        self.w2 = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
+        self.hidden = hidden
+        self.w13 = nn.Linear(dim, 2 * hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).split([self.hidden, self.hidden], dim=-1)
@@ -174,7 +176,7 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = FeedForward(cfg.dim, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: "Step", k_pool: torch.Tensor,
                 v_pool: torch.Tensor) -> torch.Tensor:

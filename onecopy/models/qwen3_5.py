@@ -37,7 +37,8 @@ from ..errors import ModelSourceError
 from .attention import chunk_attention, pooled_attention, read_row, write_rows
 from .base import MethodDef, PooledModel, as_method, pooled_methods
 from .hf_checkpoint import read_safetensors
-from .llama import Step, rope_inv_freq, rotate_half
+from . import llama
+from .llama import FeedForward, Step, rope_inv_freq, rotate_half
 
 LINEAR, FULL = "linear_attention", "full_attention"
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -126,20 +127,11 @@ class RMSNorm(nn.Module):
         return (h * (1.0 + self.weight.float())).type_as(x)
 
 
-class GatedRMSNorm(nn.Module):
-    """The DeltaNet output norm: ``w * norm(x)`` (plain weight) times ``silu(gate)`` in fp32."""
+class GatedRMSNorm(llama.RMSNorm):
+    """The DeltaNet output norm: Llama's ``w * norm(x)`` (plain weight) times ``silu(gate)`` in fp32."""
 
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight * h.to(dtype)
-        return (h * F.silu(gate.float())).to(dtype)
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return (super().forward(x) * F.silu(gate.float())).to(x.dtype)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -284,18 +276,6 @@ class Attention(nn.Module):
         return self.wo(y)
 
 
-class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.hidden = hidden
-        self.w13 = nn.Linear(dim, 2 * hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).split([self.hidden, self.hidden], dim=-1)
-        return self.w2(F.silu(gate) * up)
-
-
 class Experts(nn.Module):
     """Routed experts as transformers stores them: gate_up_proj [E, 2I, dim], down_proj [E, dim, I]."""
 
@@ -340,7 +320,7 @@ class SparseMoe(nn.Module):
         self.top_k, self.n_experts = cfg.num_experts_per_tok, cfg.num_experts
         self.gate = nn.Linear(cfg.dim, cfg.num_experts, bias=False)
         self.experts = Experts(cfg.num_experts, cfg.dim, cfg.moe_intermediate_size)
-        self.shared_expert = MLP(cfg.dim, cfg.shared_expert_intermediate_size)
+        self.shared_expert = FeedForward(cfg.dim, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.dim, 1, bias=False)
 
     def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
@@ -368,7 +348,7 @@ class Block(nn.Module):
         else:
             self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
-        self.mlp = SparseMoe(cfg) if cfg.moe else MLP(cfg.dim, cfg.intermediate_size)
+        self.mlp = SparseMoe(cfg) if cfg.moe else FeedForward(cfg.dim, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Step, pool_a: torch.Tensor,
                 pool_b: torch.Tensor, n_chunks: int) -> torch.Tensor:
