@@ -98,6 +98,14 @@ def main() -> None:
         res["onecopy_ms_per_step"] = round(1000 * (time.perf_counter() - t1) / 50, 4)
         res["graph_buckets"] = engine.graph_buckets
         res["bytes_per_step"] = step_bytes(cfg, weights, state, a.context - 32)
+        if dev == "cuda":  # the floor: those bytes at the copy bandwidth measured in this run
+            from onecopy.bench.decode import copy_bandwidth
+
+            bw = copy_bandwidth()
+            res["copy_bandwidth_TBps"] = round(bw / 1e12, 3)
+            floor_ms = 1000 * res["bytes_per_step"]["total"] / bw
+            res["floor_ms"] = round(floor_ms, 4)
+            res["onecopy_share_of_floor"] = round(floor_ms / res["onecopy_ms_per_step"], 3)
         per_session = sum(spec.nbytes for spec in state.values())
         kv_layer = 2 * cfg.n_kv_heads * cfg.head_dim * a.context * torch.finfo(dtype).bits // 8
         res["state_bytes_per_session"] = {"hybrid": per_session, "kv_only_same_width": cfg.n_layers * kv_layer,

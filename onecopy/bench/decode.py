@@ -138,7 +138,7 @@ def bench_decode(source: str, bundle: Path, *, prompt_lens: list[int], max_seq_l
                       "tied_embeddings": cfg.tie_embeddings}
     run_onecopy(engine, prompts[prompt_lens[0]][:16], 8)  # warm-up
     for n in prompt_lens:
-        run_onecopy(engine, prompts[n], 4)  # warm this length, as the peers are (first-use kernel loading)
+        run_onecopy(engine, prompts[n], new_tokens)  # warm this length as the peers are (first-use kernel loading)
         with DevicePeak() as peak:
             ttft, ms, graph_ms = run_onecopy(engine, prompts[n], new_tokens)
         f, fb = floor_ms(n)
@@ -154,7 +154,7 @@ def bench_decode(source: str, bundle: Path, *, prompt_lens: list[int], max_seq_l
             peer.generate(prompts[prompt_lens[0]], 4)  # compiles (prefill shapes recompile per length: warmed below)
             res[f"{name}_compile_s"] = round(time.perf_counter() - t0, 1)
             for n in prompt_lens:
-                peer.generate(prompts[n], 4)  # warm this length
+                peer.generate(prompts[n], new_tokens)  # warm this length, whatever it compiles or captures
                 with DevicePeak() as peak:
                     if name == "torch.compile":
                         ttft, times = peer.generate(prompts[n], new_tokens)

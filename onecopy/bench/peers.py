@@ -3,8 +3,8 @@
 - `CompiledPeer`: a gpt-fast-style model (fused qkv and gate/up, static KV cache buffers, SDPA with
   a mask over the whole cache), decode compiled with torch.compile(mode="reduce-overhead",
   fullgraph=True), prefill with torch.compile(dynamic=True).
-- `TransformersPeer`: transformers' LlamaForCausalLM with a static cache, which its generate()
-  compiles (reduce-overhead, fullgraph): what the transformers docs recommend for fast generation.
+- `TransformersPeer`: transformers' LlamaForCausalLM with a static cache of max_seq_len, which its
+  generate() compiles (reduce-overhead, fullgraph): what the transformers docs recommend for fast generation.
 """
 
 from __future__ import annotations
@@ -111,6 +111,11 @@ class TransformersPeer:
         # generate() compiles the forward itself (reduce-overhead, fullgraph) when the cache is static:
         # the documented path. Wrapping forward by hand broke its CUDA graphs (outputs overwritten).
         model.generation_config.cache_implementation = "static"
+        # Its static cache is max_seq_len long, as the other systems' are. generate() otherwise sizes it to
+        # prompt + new tokens and re-allocates (and re-compiles, inside a timed call) when a call needs more;
+        # it keeps a cache at least as long as the longest one yet, so set that length up front.
+        model.generation_config.max_cache_len = max_seq_len
+        model._previous_max_cache_length = max_seq_len
         self.model, self.max_seq_len, self.device = model, max_seq_len, dev
 
     @torch.no_grad()

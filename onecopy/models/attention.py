@@ -7,7 +7,8 @@ K/V only into those rows and read them without materialising a per-row copy of t
 - `pooled_attention` (decode: one query per row) is written as mul + sum reductions so that
   Inductor fuses the pool gather into the reduction kernels: no [B, H, S, D] gather is ever
   materialised (checked in tests on the generated code);
-- `read_row` gives one row for prefill, whose many queries want a real attention kernel.
+- `prefill_attention` (a prefill chunk of one session): on CUDA a Triton flash-attention kernel
+  reads the row in place, causal by position; elsewhere `read_row` copies the filled prefix for SDPA.
 """
 
 from __future__ import annotations
@@ -68,6 +69,22 @@ def pooled_attention_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     v = v_pool[rows].unsqueeze(2)  # [B, Hkv, 1, S, D]
     out = (p.unsqueeze(-1) * v.float()).sum(-2)  # [B, Hkv, g, D]
     return out.reshape(b, hq, d).to(q.dtype)
+
+
+def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
+                      positions: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+    """A chunk's queries (q: [T, Hq, D] at ``positions``) against pool row ``rows[0]``, causal; -> [T, Hq, D].
+
+    The chunk's own K/V must already be in the row. On CUDA a Triton flash-attention kernel reads the
+    row in place (`kernels.prefill_attention`); elsewhere `chunk_attention` over a copy of the filled
+    prefix (``context``: arange of its length, or the whole row when None).
+    """
+    if q.is_cuda and kernels.available():
+        return kernels.prefill_attention(q, k_pool, v_pool, rows, positions)
+    n_ctx = context.shape[0] if context is not None else None
+    y = chunk_attention(q.transpose(0, 1)[None], read_row(k_pool, rows, n_ctx), read_row(v_pool, rows, n_ctx),
+                        positions, context)
+    return y[0].transpose(0, 1)
 
 
 def chunk_attention(q: torch.Tensor, k_row: torch.Tensor, v_row: torch.Tensor, positions: torch.Tensor,

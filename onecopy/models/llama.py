@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import chunk_attention, pooled_attention, read_row, write_rows
+from .attention import pooled_attention, prefill_attention, write_rows
 from .base import MethodDef, PooledModel, as_method, pooled_methods
 
 
@@ -150,9 +150,8 @@ class Attention(nn.Module):
         else:
             write_rows(k_pool, step.rows, step.input_pos, k[0])
             write_rows(v_pool, step.rows, step.input_pos, v[0])
-            n_ctx = step.context.shape[0]  # only the filled prefix of the row: its length is a dynamic dim
-            y = chunk_attention(q.transpose(1, 2), read_row(k_pool, step.rows, n_ctx),
-                                read_row(v_pool, step.rows, n_ctx), step.input_pos, step.context).transpose(1, 2)
+            # only the filled prefix of the row (step.context's length is a dynamic dim)
+            y = prefill_attention(q[0], k_pool, v_pool, step.rows, step.input_pos, step.context)[None]
         return self.wo(y.reshape(n, t, q_size))
 
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelSourceError
-from .attention import chunk_attention, pooled_attention, read_row, write_rows
+from .attention import pooled_attention, prefill_attention, write_rows
 from .base import MethodDef, PooledModel, as_method, pooled_methods
 from .hf_checkpoint import read_safetensors
 from . import llama
@@ -270,8 +270,7 @@ class Attention(nn.Module):
         else:
             write_rows(k_pool, step.rows, step.input_pos, k[0])
             write_rows(v_pool, step.rows, step.input_pos, v[0])
-            y = chunk_attention(q.transpose(1, 2), read_row(k_pool, step.rows), read_row(v_pool, step.rows),
-                                step.input_pos).transpose(1, 2)
+            y = prefill_attention(q[0], k_pool, v_pool, step.rows, step.input_pos)[None]
         y = y.reshape(n, t, q_size) * torch.sigmoid(gate.reshape(n, t, q_size))
         return self.wo(y)
 
