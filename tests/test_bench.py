@@ -27,6 +27,10 @@ def test_compiled_peer_is_the_same_model(tiny_engine):
             logits = peer.forward(torch.tensor([[got[-1]]]), torch.tensor([pos]))
             pos += 1
     assert got == want
+    # Weights and caches are static addresses for torch.compile: a mutated cache that is a plain graph
+    # input makes reduce-overhead skip its CUDA graphs (seen on the H200: 7.3 instead of 5.5 ms/token).
+    for t in (*weights.values(), *peer.k, *peer.v):
+        assert getattr(t, "_dynamo_static_input_type", None) is not None
 
 
 def test_the_floor_leaves_out_the_gathered_embedding_table():

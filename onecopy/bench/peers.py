@@ -38,6 +38,11 @@ class CompiledPeer:
         self.v = [torch.zeros(shape, device=dev, dtype=dtype) for _ in range(cfg.n_layers)]
         self.inv_freq, self.rope_scale = (t.to(dev) if isinstance(t, torch.Tensor) else t for t in rope_inv_freq(cfg))
         self.positions = torch.arange(max_seq_len, device=dev)
+        # gpt-fast keeps weights and caches as module parameters and buffers, which torch.compile treats
+        # as static: its CUDA graphs then read them in place and may mutate the caches. Tensors held in
+        # plain attributes are graph inputs instead, and a mutated input makes it skip CUDA graphs.
+        for t in (*weights.values(), *self.k, *self.v, self.positions):
+            torch._dynamo.mark_static_address(t)
         self.decode_fn = torch.compile(self.forward, mode="reduce-overhead", fullgraph=True)
         self.prefill_fn = torch.compile(self.forward, fullgraph=True, dynamic=True)
 

@@ -36,6 +36,14 @@ def used() -> int:
     return total - free
 
 
+def _aoti_unloads_kernels() -> bool:
+    """Whether this torch's AOTI runtime unloads the CUDA modules a package loaded (pytorch#184860)."""
+    from pathlib import Path
+
+    header = Path(torch.__file__).parent / "include/torch/csrc/inductor/aoti_runtime/model_base.h"
+    return header.is_file() and "loaded_modules_" in header.read_text()
+
+
 def _steps(engine, prompt, n):
     """Greedy decode n steps of one session; logits of every step (cloned) and the final state."""
     s = engine.open_session()
@@ -119,7 +127,10 @@ def test_device_memory_is_sized_at_load_and_returned_at_close(cuda_bundle):
         s.close()
     assert used() == warmed
     engine.close()
-    assert used() == before  # a second engine in the process gives everything back
+    # A second engine in the process gives everything back, but for the kernel code its packages
+    # loaded where this torch's AOTI never unloads it (pytorch#184860 added cuModuleUnload; torch
+    # 2.11 lacks it): the driver holds code in 2 MiB chunks, so at most one chunk may stay.
+    assert used() - before <= (0 if _aoti_unloads_kernels() else 2 * 2**20)
 
 
 @pytest.mark.parametrize("graphs", [False, True])
