@@ -69,13 +69,16 @@ def _paged_split_kernel(Q, K, V, TABLE, LENS, PO, PML, stride_qb, stride_qh, str
     tl.store(pml + 1, l_i, mask=gmask)
 
 
+PAGED_SPLIT = 256
+
+
 def paged_attention(q, k_pages, v_pages, table, lengths, s):
     """KV in pages [NB, Hkv, PAGE, D]; table [B, S/PAGE] of page ids."""
     _, merge_kernel = kernels._kernels()
     b, hq, d = q.shape
     hkv = k_pages.shape[1]
     g = hq // hkv
-    split = kernels.split_len(s)
+    split = min(PAGED_SPLIT, -(-s // PAGE) * PAGE)  # a fixed number of positions per program
     ns = -(-s // split)
     po = torch.empty((b, hq, ns, d), dtype=torch.float32, device=q.device)
     pml = torch.empty((b, hq, ns, 2), dtype=torch.float32, device=q.device)

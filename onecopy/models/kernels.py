@@ -18,7 +18,11 @@ import functools
 import torch
 
 BLOCK_N = 64  # cache positions per inner step
-SPLIT_MAX = 256  # cache positions per program; more splits = more parallelism at small batch
+# The grid has one program per (row, KV head) and SPLIT_MAX cache positions of the pool (fewer when
+# the cache is shorter); each row's filled prefix is shared evenly among them in whole blocks, so a
+# short context is still spread over many programs (batch 1, 1k context in a 16k pool: 16 programs of
+# one block per head instead of 4 of four). A row's split depends only on its own length.
+SPLIT_MAX = 256
 # Prefill tiles: (query rows, key columns, warps, pipeline stages) per program, by head size.
 # The fastest over a fresh 1k, a fresh 8k and a 2k-after-6k chunk on the H200
 # (benchmarks/prefill_attention_cuda.py, benchmarks/results/prefill_attention_h200.json).
@@ -34,9 +38,9 @@ def available() -> bool:
     return torch.cuda.is_available()
 
 
-def split_len(max_seq_len: int) -> int:
-    """Positions per split: SPLIT_MAX, or the whole (block-rounded) cache when it is shorter."""
-    return min(SPLIT_MAX, -(-max_seq_len // BLOCK_N) * BLOCK_N)
+def n_splits(max_seq_len: int) -> int:
+    """Programs per (row, KV head): one per SPLIT_MAX positions of the cache (block-rounded when shorter)."""
+    return -(-max_seq_len // min(SPLIT_MAX, -(-max_seq_len // BLOCK_N) * BLOCK_N))
 
 
 @functools.cache
@@ -48,15 +52,16 @@ def _kernels():
     def split_kernel(Q, K, V, ROWS, LENS, PO, PML,
                      stride_qb, stride_qh, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
                      stride_pob, stride_poh, stride_pos, stride_pmb, stride_pmh, stride_pms,
-                     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+                     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, NS: tl.constexpr,
                      SCALE: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
         row = tl.load(ROWS + b)
         length = tl.load(LENS + b)
-        start = sp * SPLIT
-        end = tl.minimum(start + SPLIT, length)
+        split = tl.cdiv(tl.cdiv(length, NS), BLOCK) * BLOCK  # this row's positions per program
+        start = sp * split
+        end = tl.minimum(start + split, length)  # empty (start >= end) for the splits past the length
         offs_g = tl.arange(0, GP)
         offs_d = tl.arange(0, D)
         gmask = offs_g < G
@@ -184,8 +189,7 @@ def register() -> None:
         b, hq, d = q.shape
         hkv, s = k_pool.shape[1], k_pool.shape[2]
         g = hq // hkv
-        split = split_len(s)
-        ns = -(-s // split)
+        ns = n_splits(s)
         po = torch.empty((b, hq, ns, d), dtype=torch.float32, device=q.device)
         pml = torch.empty((b, hq, ns, 2), dtype=torch.float32, device=q.device)
         out = torch.empty_like(q)
@@ -194,7 +198,7 @@ def register() -> None:
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
             v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
             po.stride(0), po.stride(1), po.stride(2), pml.stride(0), pml.stride(1), pml.stride(2),
-            G=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, BLOCK=BLOCK_N, SPLIT=split, SCALE=d ** -0.5,
+            G=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, BLOCK=BLOCK_N, NS=ns, SCALE=d ** -0.5,
             num_warps=4, num_stages=2)
         wrap_triton(merge_kernel)[(b, hq)](
             po, pml, out, po.stride(0), po.stride(1), po.stride(2), pml.stride(0), pml.stride(1), pml.stride(2),

@@ -1,0 +1,98 @@
+"""Where a batch-1 decode step's time goes: the kernels inside the captured graph, by kind (CUDA).
+
+Usage (on a CUDA machine, from the repository root):
+    python benchmarks/decode_profile_cuda.py --source llama3-8b-8l --context 1024 \
+        --out benchmarks/results/decode_profile_llama3-8b-8l_h200.json
+
+Replays the bucket-1 decode graph at ``--context`` filled positions under torch.profiler and sums
+the device time of every kernel per step: cuBLAS GEMMs, the Triton attention split and merge
+kernels, Inductor's fused pointwise/reduction kernels (norms, RoPE, K/V writes, SiLU, residual
+adds), and the rest; plus the wall time of a replay, whose excess over the kernels' sum is the gaps
+between kernels. The layers of the 8-layer preset have the 8B shape, so per-layer figures carry over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import onecopy  # noqa: E402
+
+KINDS = [("attention_split", r"split_kernel"), ("attention_merge", r"merge_kernel"),
+         ("gemm", r"gemm|gemv|cutlass|nvjet|sm90_|cublas|splitK|reduce_kernel"), ("inductor_fused", r"^triton_")]
+
+
+def kind(name: str) -> str:
+    for k, pat in KINDS:
+        if re.search(pat, name):
+            return k
+    return "other"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--source", default="llama3-8b-8l")
+    ap.add_argument("--max-seq-len", type=int, default=16384)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--bundle", default="/tmp/onecopy-profile")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    bundle = Path(a.bundle)
+    if not (bundle / "manifest.json").is_file():
+        onecopy.export(a.source, bundle, max_seq_len=a.max_seq_len, device="cuda", overwrite=True, progress=False)
+    with onecopy.Engine.load(bundle, "cuda", max_sessions=1) as engine, engine.open_session() as s:
+        s.position = a.context
+        tok = torch.tensor([1], device="cuda")
+        for _ in range(10):
+            engine._decode([s.row], [s.position], tok)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(a.steps):
+            engine._decode([s.row], [s.position], tok)
+        end.record()
+        torch.cuda.synchronize()
+        step_ms = start.elapsed_time(end) / a.steps
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(a.steps):
+                engine._decode([s.row], [s.position], tok)
+            torch.cuda.synchronize()
+        n_layers = engine.manifest.config["n_layers"]
+    kernels: dict[str, dict] = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t <= 0:
+            continue
+        kernels[e.key] = {"us_per_step": t / a.steps, "calls_per_step": e.count / a.steps, "kind": kind(e.key)}
+    by_kind: dict[str, dict] = {}
+    for k in kernels.values():
+        b = by_kind.setdefault(k["kind"], {"us_per_step": 0.0, "calls_per_step": 0.0})
+        b["us_per_step"] += k["us_per_step"]
+        b["calls_per_step"] += k["calls_per_step"]
+    busy_us = sum(k["us_per_step"] for k in kernels.values())
+    res = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "source": a.source, "n_layers": n_layers, "context": a.context,
+           "max_seq_len": a.max_seq_len, "step_ms_graph_replay": round(step_ms, 4),
+           "kernel_busy_ms": round(busy_us / 1000, 4), "gaps_ms": round(step_ms - busy_us / 1000, 4),
+           "by_kind": {k: {"us_per_step": round(v["us_per_step"], 1), "calls_per_step": round(v["calls_per_step"], 1),
+                           "us_per_layer": round(v["us_per_step"] / n_layers, 2)} for k, v in by_kind.items()},
+           "kernels": dict(sorted(((n, {**v, "us_per_step": round(v["us_per_step"], 2)}) for n, v in kernels.items()),
+                                  key=lambda kv: -kv[1]["us_per_step"]))}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k != "kernels"}, indent=1))
+    for n, v in list(res["kernels"].items())[:25]:
+        print(f"{v['us_per_step']:9.1f} us {v['calls_per_step']:6.1f}x {v['kind']:<16} {n[:110]}")
+
+
+if __name__ == "__main__":
+    main()
