@@ -101,3 +101,25 @@ def test_bad_checkpoints(tmp_path):
     bad.write_bytes(b"GGUF garbage")
     with pytest.raises(ModelSourceError, match="not a readable GGUF"):
         resolve_source(bad)
+
+
+def test_checkpoint_tensors_must_match_the_architecture():
+    """A checkpoint that lacks a tensor the config needs, or holds one nothing maps (a deeper model
+    read with a shallower config), is refused by name, for both families."""
+    from onecopy.models import qwen3_5
+    from onecopy.models.hf_checkpoint import hf_to_onecopy
+
+    cfg = llama_config_from_hf(_hf_config("llama"))
+    sd = random_hf_state_dict(cfg, seed=1)
+    with pytest.raises(ModelSourceError, match=r"lacks tensor 'model.layers.1.mlp.down_proj.weight'; is this a "
+                                               r"2-layer Llama-family model\?"):
+        hf_to_onecopy({k: v for k, v in sd.items() if k != "model.layers.1.mlp.down_proj.weight"}, cfg)
+    with pytest.raises(ModelSourceError, match=r"does not map: \['model.layers.2.input_layernorm.weight'\]"):
+        hf_to_onecopy({**sd, "model.layers.2.input_layernorm.weight": torch.ones(64)}, cfg)
+    qcfg = qwen3_5.PRESETS["tiny-qwen3.5-moe"]
+    qsd = qwen3_5.random_hf_state_dict(qcfg, seed=1)
+    assert set(qwen3_5.hf_to_onecopy(qsd, qcfg)) >= {"layers.0.mlp.experts.gate_up_proj"}
+    with pytest.raises(ModelSourceError, match=r"lacks tensor 'model.norm.weight'; is this a \d+-layer Qwen3.5 "):
+        qwen3_5.hf_to_onecopy({k: v for k, v in qsd.items() if k != "model.norm.weight"}, qcfg)
+    with pytest.raises(ModelSourceError, match=r"does not map: \['model.extra.weight'\]"):
+        qwen3_5.hf_to_onecopy({**qsd, "model.extra.weight": torch.ones(1)}, qcfg)

@@ -14,11 +14,38 @@ K/V only into those rows and read them without materialising a per-row copy of t
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from . import kernels
+
+
+@dataclass
+class Step:
+    """What one method call works on: the pool rows, the positions written, and the kind of call."""
+
+    rows: torch.Tensor  # decode: [B], one per session; prefill: [1]
+    input_pos: torch.Tensor  # decode: [B]; prefill: [T]
+    decode: bool
+    context: torch.Tensor | None = None  # prefill, when given: arange(last position + 1)
+
+
+def attend_pooled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, k_pool: torch.Tensor,
+                  v_pool: torch.Tensor) -> torch.Tensor:
+    """Write the new K/V into the step's rows at its positions, then attend; q, k, v, result: [N, T, H, D].
+
+    Decode (T = 1, N sessions): each row's filled prefix, through its new position. Prefill (N = 1):
+    the chunk causally against its row (only the filled prefix when ``step.context`` is given).
+    """
+    if step.decode:
+        write_rows(k_pool, step.rows, step.input_pos, k[:, 0])
+        write_rows(v_pool, step.rows, step.input_pos, v[:, 0])
+        return pooled_attention(q[:, 0], k_pool, v_pool, step.rows, step.input_pos + 1)[:, None]
+    write_rows(k_pool, step.rows, step.input_pos, k[0])
+    write_rows(v_pool, step.rows, step.input_pos, v[0])
+    return prefill_attention(q[0], k_pool, v_pool, step.rows, step.input_pos, step.context)[None]
 
 
 def write_rows(pool: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:

@@ -52,17 +52,39 @@ def hf_config_from_llama(cfg: LlamaConfig) -> dict[str, Any]:
     return d
 
 
+class CheckpointTensors:
+    """A checkpoint's tensors taken by name while mapping them; `check_all_taken` then refuses a
+    checkpoint with tensors the mapping never took (a different architecture or layer count)."""
+
+    def __init__(self, sd: dict[str, torch.Tensor], expected: str) -> None:
+        self.sd, self.expected = sd, expected
+        self.used: set[str] = set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.sd
+
+    def take(self, name: str) -> torch.Tensor:
+        if name not in self.sd:
+            raise ModelSourceError(f"checkpoint lacks tensor {name!r}; is this a {self.expected}?")
+        self.used.add(name)
+        return self.sd[name]
+
+    def ignore(self, name: str) -> None:
+        """A tensor that may be present and needs no mapping (e.g. a tied LM head's alias)."""
+        self.used.add(name)
+
+    def check_all_taken(self) -> None:
+        extra = sorted(set(self.sd) - self.used)
+        if extra:
+            raise ModelSourceError(f"checkpoint has tensors onecopy does not map: {extra[:5]}"
+                                   f"{'...' if len(extra) > 5 else ''}")
+
+
 def hf_to_onecopy(sd: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
     """Rename HF weights to onecopy FQNs, fusing q/k/v into wqkv and gate/up into w13."""
-    sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
-    used: set[str] = set()
-
-    def take(name: str) -> torch.Tensor:
-        if name not in sd:
-            raise ModelSourceError(f"checkpoint lacks tensor {name!r}; is this a {cfg.n_layers}-layer Llama-family model?")
-        used.add(name)
-        return sd[name]
-
+    ckpt = CheckpointTensors({k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")},
+                             f"{cfg.n_layers}-layer Llama-family model")
+    take = ckpt.take
     out = {"tok_embeddings.weight": take("model.embed_tokens.weight")}
     for i in range(cfg.n_layers):
         p, a = f"model.layers.{i}.", f"layers.{i}."
@@ -81,10 +103,8 @@ def hf_to_onecopy(sd: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, to
     if not cfg.tie_embeddings:
         out["output.weight"] = take("lm_head.weight")
     else:
-        used.add("lm_head.weight")  # tied checkpoints sometimes store the alias too
-    extra = sorted(set(sd) - used)
-    if extra:
-        raise ModelSourceError(f"checkpoint has tensors onecopy does not map: {extra[:5]}{'...' if len(extra) > 5 else ''}")
+        ckpt.ignore("lm_head.weight")  # tied checkpoints sometimes store the alias too
+    ckpt.check_all_taken()
     return out
 
 

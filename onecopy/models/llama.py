@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import pooled_attention, prefill_attention, write_rows
+from .attention import Step, attend_pooled
 from .base import MethodDef, PooledModel, as_method, pooled_methods
 
 
@@ -54,12 +54,13 @@ class LlamaConfig:
         return cls(**d)
 
 
-def rope_inv_freq(cfg: LlamaConfig) -> tuple[torch.Tensor, float]:
-    """Inverse RoPE frequencies and the cos/sin scale for the config's scaling variant.
+def rope_inv_freq(cfg: LlamaConfig, dim: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse RoPE frequencies over ``dim`` (default: the head) and the cos/sin scale for the config's
+    scaling variant (``cfg`` needs rope_theta, rope_scaling, max_position_embeddings).
 
     Follows transformers' ``ROPE_INIT_FUNCTIONS`` for default, linear, llama3 and yarn.
     """
-    dim = cfg.head_dim
+    dim = dim or cfg.head_dim
     base = cfg.rope_theta
     inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = dict(cfg.rope_scaling or {})
@@ -100,6 +101,16 @@ def rope_inv_freq(cfg: LlamaConfig) -> tuple[torch.Tensor, float]:
     raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3, yarn")
 
 
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype,
+                 decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin at ``positions`` (angles in fp32, as transformers computes them), in ``dtype``, shaped
+    [B, 1, 1, D] for decode (one position per session) or [1, T, 1, D] for a prefill chunk."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+    return tuple(c[:, None, None, :] if decode else c[None, :, None, :] for c in (cos, sin))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -130,7 +141,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: "Step",
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Step,
                 k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         """x: [N, T, dim] with N sessions of T tokens each (decode: T = 1; prefill: N = 1)."""
         n, t, _ = x.shape
@@ -143,15 +154,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin  # cos, sin: [N or 1, T, 1, D]
         k = k * cos + rotate_half(k) * sin
-        if step.decode:
-            write_rows(k_pool, step.rows, step.input_pos, k[:, 0])
-            write_rows(v_pool, step.rows, step.input_pos, v[:, 0])
-            y = pooled_attention(q[:, 0], k_pool, v_pool, step.rows, step.input_pos + 1)[:, None]
-        else:
-            write_rows(k_pool, step.rows, step.input_pos, k[0])
-            write_rows(v_pool, step.rows, step.input_pos, v[0])
-            # only the filled prefix of the row (step.context's length is a dynamic dim)
-            y = prefill_attention(q[0], k_pool, v_pool, step.rows, step.input_pos, step.context)[None]
+        y = attend_pooled(q, k, v, step, k_pool, v_pool)
         return self.wo(y.reshape(n, t, q_size))
 
 
@@ -177,20 +180,10 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: "Step", k_pool: torch.Tensor,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Step, k_pool: torch.Tensor,
                 v_pool: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, step, k_pool, v_pool)
         return h + self.feed_forward(self.ffn_norm(h))
-
-
-@dataclass
-class Step:
-    """What one method call works on: the pool rows, the positions written, and the kind of call."""
-
-    rows: torch.Tensor  # decode: [B], one per session; prefill: [1]
-    input_pos: torch.Tensor  # decode: [B]; prefill: [T]
-    decode: bool
-    context: torch.Tensor | None = None  # prefill: arange(last position + 1)
 
 
 class Transformer(PooledModel):
@@ -237,13 +230,7 @@ class Transformer(PooledModel):
 
     def _run(self, tokens: torch.Tensor, step: Step, pools: tuple[torch.Tensor, ...]) -> torch.Tensor:
         x = self.tok_embeddings(tokens)
-        # RoPE angles computed from positions in fp32, as transformers does.
-        freqs = step.input_pos.float()[:, None] * self.rope_inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scale).to(x.dtype)
-        sin = (emb.sin() * self.rope_scale).to(x.dtype)
-        # decode: one position per session [B, 1, 1, D]; prefill: T positions of one session [1, T, 1, D]
-        cos, sin = (c[:, None, None, :] if step.decode else c[None, :, None, :] for c in (cos, sin))
+        cos, sin = rope_cos_sin(step.input_pos, self.rope_inv_freq, self.rope_scale, x.dtype, step.decode)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, step, pools[2 * i], pools[2 * i + 1])
         return self._logits(x[:, -1, :])

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -34,11 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelSourceError
-from .attention import pooled_attention, prefill_attention, write_rows
+from .attention import Step, attend_pooled
 from .base import MethodDef, PooledModel, as_method, pooled_methods
-from .hf_checkpoint import read_safetensors
+from .hf_checkpoint import CheckpointTensors, read_safetensors
 from . import llama
-from .llama import FeedForward, Step, rope_inv_freq, rotate_half
+from .llama import FeedForward, rope_cos_sin, rope_inv_freq, rotate_half
 
 LINEAR, FULL = "linear_attention", "full_attention"
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -263,14 +262,7 @@ class Attention(nn.Module):
         q = self._rope(self.q_norm(q), cos, sin)
         k = self._rope(self.k_norm(k.view(n, t, self.n_kv_heads, hd)), cos, sin)
         v = v.view(n, t, self.n_kv_heads, hd)
-        if step.decode:
-            write_rows(k_pool, step.rows, step.input_pos, k[:, 0])
-            write_rows(v_pool, step.rows, step.input_pos, v[:, 0])
-            y = pooled_attention(q[:, 0], k_pool, v_pool, step.rows, step.input_pos + 1)[:, None]
-        else:
-            write_rows(k_pool, step.rows, step.input_pos, k[0])
-            write_rows(v_pool, step.rows, step.input_pos, v[0])
-            y = prefill_attention(q[0], k_pool, v_pool, step.rows, step.input_pos)[None]
+        y = attend_pooled(q, k, v, step, k_pool, v_pool)
         y = y.reshape(n, t, q_size) * torch.sigmoid(gate.reshape(n, t, q_size))
         return self.wo(y)
 
@@ -381,7 +373,7 @@ class Qwen35(PooledModel):
         self.norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
         if not cfg.tie_embeddings:
             self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        inv_freq, self.rope_scale = _inv_freq(cfg)
+        inv_freq, self.rope_scale = rope_inv_freq(cfg, cfg.rotary_dim)  # over the rotary part of the head
         self.register_buffer("rope_inv_freq", inv_freq)
         self.to(dtype)
         self.rope_inv_freq.data = inv_freq  # RoPE angles stay in fp32 whatever the model dtype
@@ -409,11 +401,7 @@ class Qwen35(PooledModel):
 
     def _run(self, tokens: torch.Tensor, step: Step, pools: tuple[torch.Tensor, ...]) -> torch.Tensor:
         x = self.embed_tokens(tokens)
-        freqs = step.input_pos.float()[:, None] * self.rope_inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scale).to(x.dtype)
-        sin = (emb.sin() * self.rope_scale).to(x.dtype)
-        cos, sin = (c[:, None, None, :] if step.decode else c[None, :, None, :] for c in (cos, sin))
+        cos, sin = rope_cos_sin(step.input_pos, self.rope_inv_freq, self.rope_scale, x.dtype, step.decode)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, step, pools[2 * i], pools[2 * i + 1], self.prefill_chunks)
         x = self.norm(x[:, -1, :])
@@ -433,13 +421,6 @@ class Qwen35(PooledModel):
             "prefill": (as_method(self, Qwen35.prefill), "prefill"),
             "decode": (as_method(self, Qwen35.decode), "decode"),
         }, vocab)
-
-
-def _inv_freq(cfg: Qwen35Config) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies over the rotary part of the head (llama's rope variants, on rotary_dim)."""
-    shim = SimpleNamespace(head_dim=cfg.rotary_dim, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
-                           max_position_embeddings=cfg.max_position_embeddings)
-    return rope_inv_freq(shim)
 
 
 # ----------------------------------------------------------------------------------------------- HF checkpoints
@@ -533,14 +514,8 @@ def hf_to_onecopy(sd: dict[str, torch.Tensor], cfg: Qwen35Config) -> dict[str, t
         if k.startswith(("model.visual.", "mtp.")) or k.endswith("rotary_emb.inv_freq"):
             continue
         norm[k.replace("model.language_model.", "model.", 1)] = v
-    used: set[str] = set()
-
-    def take(name: str) -> torch.Tensor:
-        if name not in norm:
-            raise ModelSourceError(f"checkpoint lacks tensor {name!r}; is this a {cfg.n_layers}-layer Qwen3.5 "
-                                   f"({cfg.family}) text model?")
-        used.add(name)
-        return norm[name]
+    ckpt = CheckpointTensors(norm, f"{cfg.n_layers}-layer Qwen3.5 ({cfg.family}) text model")
+    take = ckpt.take
 
     def mlp(p: str, a: str) -> dict[str, torch.Tensor]:
         return {a + "w13.weight": torch.cat([take(p + "gate_proj.weight"), take(p + "up_proj.weight")]),
@@ -571,7 +546,7 @@ def hf_to_onecopy(sd: dict[str, torch.Tensor], cfg: Qwen35Config) -> dict[str, t
             out.update(mlp(m, om))
             continue
         out[om + "gate.weight"] = take(m + "gate.weight")
-        if m + "experts.gate_up_proj" in norm:
+        if m + "experts.gate_up_proj" in ckpt:
             out[om + "experts.gate_up_proj"] = take(m + "experts.gate_up_proj")
             out[om + "experts.down_proj"] = take(m + "experts.down_proj")
         else:
@@ -583,12 +558,10 @@ def hf_to_onecopy(sd: dict[str, torch.Tensor], cfg: Qwen35Config) -> dict[str, t
         out.update(mlp(m + "shared_expert.", om + "shared_expert."))
         out[om + "shared_expert_gate.weight"] = take(m + "shared_expert_gate.weight")
     if cfg.tie_embeddings:
-        used.add("lm_head.weight")  # tied checkpoints sometimes store the alias too
+        ckpt.ignore("lm_head.weight")  # tied checkpoints sometimes store the alias too
     else:
         out["lm_head.weight"] = take("lm_head.weight")
-    extra = sorted(set(norm) - used)
-    if extra:
-        raise ModelSourceError(f"checkpoint has tensors onecopy does not map: {extra[:5]}{'...' if len(extra) > 5 else ''}")
+    ckpt.check_all_taken()
     return out
 
 
