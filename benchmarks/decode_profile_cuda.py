@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import onecopy  # noqa: E402
+from onecopy.bench.decode import decode_step_ms  # noqa: E402
 
 KINDS = [("attention_split", r"split_kernel"), ("attention_merge", r"merge_kernel"),
          ("gemm", r"gemm|gemv|cutlass|nvjet|sm90_|cublas|splitK|reduce_kernel"), ("inductor_fused", r"^triton_")]
@@ -51,17 +52,8 @@ def main() -> None:
         onecopy.export(a.source, bundle, max_seq_len=a.max_seq_len, device="cuda", overwrite=True, progress=False)
     with onecopy.Engine.load(bundle, "cuda", max_sessions=1) as engine, engine.open_session() as s:
         s.position = a.context
+        step_ms = decode_step_ms(engine, s, steps=a.steps, warmup=10)
         tok = torch.tensor([1], device="cuda")
-        for _ in range(10):
-            engine._decode([s.row], [s.position], tok)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(a.steps):
-            engine._decode([s.row], [s.position], tok)
-        end.record()
-        torch.cuda.synchronize()
-        step_ms = start.elapsed_time(end) / a.steps
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(a.steps):
                 engine._decode([s.row], [s.position], tok)

@@ -55,17 +55,6 @@ def timed(fn, reps: int = 20) -> float:
     return statistics.median(times)
 
 
-def triton_tiles(q, kp, vp, rows, pos, tiles):
-    block_m, block_n, warps, stages = tiles
-    t, hq, d = q.shape
-    out = torch.empty_like(q)
-    kernels._prefill_kernel()[((t + block_m - 1) // block_m, hq)](
-        q, kp, vp, rows, pos, out, t, q.stride(0), q.stride(1), kp.stride(0), kp.stride(1), kp.stride(2),
-        vp.stride(0), vp.stride(1), vp.stride(2), out.stride(0), out.stride(1), G=hq // kp.shape[1], D=d,
-        BLOCK_M=block_m, BLOCK_N=block_n, QK_SCALE=d ** -0.5 * 1.4426950408889634, num_warps=warps, num_stages=stages)
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-seq-len", type=int, default=16384)
@@ -96,9 +85,9 @@ def main() -> None:
                     qf, kf, vf, is_causal=True, enable_gqa=hq != hkv)), 4)
             for tiles in TILES[d]:
                 try:
-                    out = triton_tiles(q, kp, vp, rows, pos, tiles)
+                    out = kernels.launch_prefill(q, kp, vp, rows, pos, tiles)
                     err = float((out.float() - ref.float()).norm() / ref.float().norm())
-                    ms = timed(lambda: triton_tiles(q, kp, vp, rows, pos, tiles))
+                    ms = timed(lambda: kernels.launch_prefill(q, kp, vp, rows, pos, tiles))
                 except Exception as e:  # a tile that does not fit (shared memory): record and go on
                     row[f"triton_{tiles}"] = repr(e)[:120]
                     continue

@@ -83,17 +83,24 @@ def run_onecopy(engine, prompt: list[int], new_tokens: int) -> tuple[float, floa
     # The graph alone: replay the bucket-1 decode at this context (what the step costs on the device).
     with engine.open_session() as s:
         s.position = len(prompt)
-        tok = torch.tensor([1], device=engine.device)
-        for _ in range(5):
-            engine._decode([s.row], [s.position], tok)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(100):
-            engine._decode([s.row], [s.position], tok)
-        end.record()
-        torch.cuda.synchronize()
-        graph_ms = start.elapsed_time(end) / 100
+        graph_ms = decode_step_ms(engine, s)
     return stream.time_to_first_token, 1000 * statistics.mean(itl), graph_ms
+
+
+def decode_step_ms(engine, session, steps: int = 100, warmup: int = 5) -> float:
+    """Device ms of one batch-1 decode step of ``session`` at its position (the bucket-1 graph where
+    captured), the mean of ``steps`` back-to-back steps timed with CUDA events. The position is not
+    advanced: every step reads the same context."""
+    tok = torch.tensor([1], device=engine.device)
+    for _ in range(warmup):
+        engine._decode([session.row], [session.position], tok)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        engine._decode([session.row], [session.position], tok)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps
 
 
 def bench_decode(source: str, bundle: Path, *, prompt_lens: list[int], max_seq_len: int, new_tokens: int,

@@ -211,17 +211,26 @@ def register() -> None:
         """q [T, Hq, D] at increasing ``positions`` [T] against row rows[0] of the pools, causal; -> [T, Hq, D]."""
         if q.stride(-1) != 1:
             q = q.contiguous()
-        t, hq, d = q.shape
-        g = hq // k_pool.shape[1]
-        block_m, block_n, warps, stages = prefill_tiles(d)
-        out = torch.empty_like(q)
-        wrap_triton(_prefill_kernel())[((t + block_m - 1) // block_m, hq)](
-            q, k_pool, v_pool, rows, positions, out, t,
-            q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-            v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), out.stride(0), out.stride(1),
-            G=g, D=d, BLOCK_M=block_m, BLOCK_N=block_n, QK_SCALE=d ** -0.5 * 1.4426950408889634,
-            num_warps=warps, num_stages=stages)
-        return out
+        return launch_prefill(q, k_pool, v_pool, rows, positions, prefill_tiles(q.shape[-1]))
+
+
+def launch_prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
+                   positions: torch.Tensor, tiles: tuple[int, int, int, int]) -> torch.Tensor:
+    """One launch of the prefill kernel with the given (BLOCK_M, BLOCK_N, warps, stages): what the op
+    runs with `prefill_tiles`, and what benchmarks/prefill_attention_cuda.py times with other tiles.
+    Traceable inside the op (wrap_triton); a plain launch outside it."""
+    from torch.library import wrap_triton
+
+    t, hq, d = q.shape
+    block_m, block_n, warps, stages = tiles
+    out = torch.empty_like(q)
+    wrap_triton(_prefill_kernel())[((t + block_m - 1) // block_m, hq)](
+        q, k_pool, v_pool, rows, positions, out, t,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), out.stride(0), out.stride(1),
+        G=hq // k_pool.shape[1], D=d, BLOCK_M=block_m, BLOCK_N=block_n, QK_SCALE=d ** -0.5 * 1.4426950408889634,
+        num_warps=warps, num_stages=stages)
+    return out
 
 
 def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
