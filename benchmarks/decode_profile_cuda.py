@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 import onecopy  # noqa: E402
 from onecopy.bench.decode import decode_step_ms  # noqa: E402
 
-KINDS = [("attention_split", r"split_kernel"), ("attention_merge", r"merge_kernel"),
+KINDS = [("attention_split", r"split_kernel"), ("attention_merge", r"merge_kernel"), ("small_linear", r"linear_kernel"),
          ("gemm", r"gemm|gemv|cutlass|nvjet|sm90_|cublas|splitK|reduce_kernel"), ("inductor_fused", r"^triton_")]
 
 

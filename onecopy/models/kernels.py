@@ -9,6 +9,14 @@ the splits. On CPU the exported methods use `attention.pooled_attention` instead
 place (flash attention over the pool row: no copy of the row, no mask tensor, and key blocks past a
 query block's last position are never visited, so a fresh prompt costs half a full attention).
 On CPU the exported methods use `attention.chunk_attention` instead.
+
+`small_linear`: ``x @ weight.T`` for a few rows (a decode step of up to `SMALL_LINEAR_ROWS` sessions),
+one program per `BLOCK_N` output features streaming their weight rows once, with the elementwise
+work after it folded in: SwiGLU of a fused gate/up weight (``glu``) or a residual add. (RMSNorm
+before it is not: every program would redo the row's reduction, which cost more than the separate
+norm kernel on the H200.) cuBLAS splits such a skinny product over K and reduces in a second
+kernel; this reads each weight once, in one kernel, at close to the copy bandwidth
+(benchmarks/gemv_cuda.py). Wider batches keep cuBLAS (`models.linear` picks per call).
 """
 
 from __future__ import annotations
@@ -27,6 +35,21 @@ SPLIT_MAX = 256
 # The fastest over a fresh 1k, a fresh 8k and a 2k-after-6k chunk on the H200
 # (benchmarks/prefill_attention_cuda.py, benchmarks/results/prefill_attention_h200.json).
 PREFILL_TILES = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)}
+# small_linear: the most rows a call serves (the tensor-core tile's height; more rows go to cuBLAS).
+SMALL_LINEAR_ROWS = 16
+
+
+def small_linear_tiles(n_out: int, glu: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) for ``n_out`` output features: the fastest on the H200 per
+    Llama-3-8B projection (benchmarks/gemv_cuda.py, benchmarks/results/gemv_h200.json). Few outputs
+    want long K steps to keep enough bytes in flight per program; gate/up reads two tiles per step."""
+    if glu:
+        return (32, 128, 4, 3)
+    if n_out <= 4096:
+        return (32, 512, 4, 4)
+    if n_out <= 8192:
+        return (64, 256, 4, 4)
+    return (64, 128, 4, 3)
 
 
 def available() -> bool:
@@ -171,6 +194,68 @@ def _prefill_kernel():
     return prefill_kernel
 
 
+@functools.cache
+def _linear_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def linear_kernel(X, W, OUT, R, M, N_OUT, K, stride_xm, stride_wn, stride_om, stride_rm,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr,
+                      RESIDUAL: tl.constexpr):
+        pid = tl.program_id(0)
+        dtype = OUT.dtype.element_ty
+        offs_m = tl.arange(0, BLOCK_M)
+        mmask = offs_m < M
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < N_OUT
+        offs_k = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k in range(0, K, BLOCK_K):
+            kk = k + offs_k
+            kmask = kk < K
+            x = tl.load(X + offs_m[:, None] * stride_xm + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(W + offs_n[:, None] * stride_wn + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            acc += tl.dot(x, tl.trans(w))  # tensor cores even for one row: FMAs were 1.2-1.5x slower
+            if GLU:  # the up projection's rows follow the gate's
+                wu = tl.load(W + (offs_n + N_OUT)[:, None] * stride_wn + kk[None, :],
+                             mask=nmask[:, None] & kmask[None, :], other=0.0)
+                acc_up += tl.dot(x, tl.trans(wu))
+        y = acc.to(dtype)
+        if GLU:  # silu(gate) * up, each rounded to the model dtype as the eager ops are
+            g = y.to(tl.float32)
+            y = ((g * tl.sigmoid(g)).to(dtype).to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
+        omask = mmask[:, None] & nmask[None, :]
+        if RESIDUAL:
+            r = tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :], mask=omask, other=0.0)
+            y = (r.to(tl.float32) + y.to(tl.float32)).to(dtype)
+        tl.store(OUT + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=omask)
+
+    return linear_kernel
+
+
+def launch_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, glu: bool,
+                  tiles: tuple[int, int, int, int]) -> torch.Tensor:
+    """One launch of the small-linear kernel (see `small_linear`) with tiles (BLOCK_N, BLOCK_K, warps,
+    stages). Traceable inside the op; a plain launch outside it (benchmarks/gemv_cuda.py)."""
+    from torch.library import wrap_triton
+
+    m, k = x.shape
+    n_out = weight.shape[0] // 2 if glu else weight.shape[0]
+    block_n, block_k, warps, stages = tiles
+    out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    wrap_triton(_linear_kernel())[(triton_cdiv(n_out, block_n),)](
+        x, weight, out, residual if residual is not None else out,
+        m, n_out, k, x.stride(0), weight.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0,
+        BLOCK_M=SMALL_LINEAR_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, GLU=glu, RESIDUAL=residual is not None, num_warps=warps, num_stages=stages)
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
 def prefill_tiles(d: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for head size ``d``."""
     return PREFILL_TILES.get(d, PREFILL_TILES[256] if d > 128 else PREFILL_TILES[128])  # others: the nearest
@@ -213,6 +298,14 @@ def register() -> None:
             q = q.contiguous()
         return launch_prefill(q, k_pool, v_pool, rows, positions, prefill_tiles(q.shape[-1]))
 
+    @triton_op("onecopy::small_linear", mutates_args=())
+    def small_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, glu: bool) -> torch.Tensor:
+        """[M <= SMALL_LINEAR_ROWS, K] rows -> [M, N] (N/2 with ``glu``); see the module docstring."""
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        residual = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
+        n_out = weight.shape[0] // 2 if glu else weight.shape[0]
+        return launch_linear(x, weight, residual, glu, small_linear_tiles(n_out, glu))
+
 
 def launch_prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
                    positions: torch.Tensor, tiles: tuple[int, int, int, int]) -> torch.Tensor:
@@ -244,3 +337,11 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
                      lengths: torch.Tensor) -> torch.Tensor:
     register()
     return torch.ops.onecopy.decode_attention(q, k_pool, v_pool, rows, lengths)
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
+                 glu: bool = False) -> torch.Tensor:
+    """See the op: ``x`` [M <= SMALL_LINEAR_ROWS, K] through ``weight`` [N, K], with SwiGLU or a residual
+    add after, in one kernel (CUDA only). Needs `register` to have
+    run (it cannot run inside the ``torch.cond`` branch that calls this)."""
+    return torch.ops.onecopy.small_linear(x, weight, residual, glu)

@@ -17,8 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .attention import Step, attend_pooled
 from .base import MethodDef, PooledModel, as_method, pooled_methods
+from .projections import by_rows, fused_decode
 
 
 @dataclass
@@ -118,10 +120,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same op order as transformers (normalize in fp32, scale in the model dtype).
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in transformers' op order (normalize in fp32, scale in the model dtype)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -144,9 +150,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Step,
                 k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         """x: [N, T, dim] with N sessions of T tokens each (decode: T = 1; prefill: N = 1)."""
-        n, t, _ = x.shape
+        return self.wo(self.attend(self.wqkv(x), cos, sin, step, k_pool, v_pool))
+
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Step,
+               k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+        """The projected q/k/v [N, T, (Hq + 2 Hkv) D] through q/k norm, RoPE and attention -> [N, T, Hq D]."""
+        n, t, _ = qkv.shape
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(n, t, self.n_heads, self.head_dim)
         k = k.view(n, t, self.n_kv_heads, self.head_dim)
         v = v.view(n, t, self.n_kv_heads, self.head_dim)
@@ -154,8 +165,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin  # cos, sin: [N or 1, T, 1, D]
         k = k * cos + rotate_half(k) * sin
-        y = attend_pooled(q, k, v, step, k_pool, v_pool)
-        return self.wo(y.reshape(n, t, q_size))
+        return attend_pooled(q, k, v, step, k_pool, v_pool).reshape(n, t, q_size)
 
 
 class FeedForward(nn.Module):
@@ -182,8 +192,42 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Step, k_pool: torch.Tensor,
                 v_pool: torch.Tensor) -> torch.Tensor:
+        if fused_decode(x, step.decode):
+            return self._fused_decode(x, cos, sin, step, k_pool, v_pool)
         h = x + self.attention(self.attention_norm(x), cos, sin, step, k_pool, v_pool)
         return h + self.feed_forward(self.ffn_norm(h))
+
+    def _fused_decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Step,
+                      k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+        """The same layer for a decode step on CUDA: for a few sessions each projection is one kernel
+        (QKV; output + residual; gate/up + SwiGLU; down + residual), for more the ops above (see
+        `projections`)."""
+        n = x.shape[0]
+        attn, ffn = self.attention, self.feed_forward
+        wqkv = (attn.wqkv.weight, self.attention_norm.weight)
+        eps_a, eps_f, bias = self.attention_norm.eps, self.ffn_norm.eps, attn.wqkv.bias is not None
+
+        def qkv_few(x, w, g, *b):
+            y = kernels.small_linear(rms_norm(x, g, eps_a), w)
+            return y + b[0] if bias else y
+
+        def qkv_many(x, w, g, *b):
+            return F.linear(rms_norm(x, g, eps_a), w, *b)
+
+        qkv = by_rows(n, qkv_few, qkv_many, (x[:, 0], *wqkv, *([attn.wqkv.bias] if bias else [])))
+        y = attn.attend(qkv[:, None], cos, sin, step, k_pool, v_pool)[:, 0]
+
+        def rest_few(y, x, wo, g, w13, w2):
+            h = kernels.small_linear(y, wo, residual=x)
+            return kernels.small_linear(kernels.small_linear(rms_norm(h, g, eps_f), w13, glu=True), w2, residual=h)
+
+        def rest_many(y, x, wo, g, w13, w2):
+            h = x + F.linear(y, wo)
+            gate, up = F.linear(rms_norm(h, g, eps_f), w13).split([ffn.hidden, ffn.hidden], dim=-1)
+            return h + F.linear(F.silu(gate) * up, w2)
+
+        weights = (attn.wo.weight, self.ffn_norm.weight, ffn.w13.weight, ffn.w2.weight)
+        return by_rows(n, rest_few, rest_many, (y, x[:, 0], *weights))[:, None]
 
 
 class Transformer(PooledModel):
@@ -222,18 +266,19 @@ class Transformer(PooledModel):
     def state_fqns(self) -> list[str]:
         return list(self.state_specs())
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.norm(x)
-        if self.config.tie_embeddings:
-            return F.linear(x, self.tok_embeddings.weight)
-        return self.output(x)
+    def _logits(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
+        w = self.tok_embeddings.weight if self.config.tie_embeddings else self.output.weight
+        if fused_decode(x, decode):  # the LM head in the small-linear kernel for a few sessions
+            return by_rows(x.shape[0], lambda x, w, g: kernels.small_linear(rms_norm(x, g, self.norm.eps), w),
+                           lambda x, w, g: F.linear(rms_norm(x, g, self.norm.eps), w), (x, w, self.norm.weight))
+        return F.linear(self.norm(x), w)
 
     def _run(self, tokens: torch.Tensor, step: Step, pools: tuple[torch.Tensor, ...]) -> torch.Tensor:
         x = self.tok_embeddings(tokens)
         cos, sin = rope_cos_sin(step.input_pos, self.rope_inv_freq, self.rope_scale, x.dtype, step.decode)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, step, pools[2 * i], pools[2 * i + 1])
-        return self._logits(x[:, -1, :])
+        return self._logits(x[:, -1, :], step.decode)
 
     def decode(self, tokens: torch.Tensor, input_pos: torch.Tensor, rows: torch.Tensor,
                *pools: torch.Tensor) -> torch.Tensor:

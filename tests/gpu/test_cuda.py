@@ -202,3 +202,61 @@ def test_prefill_attention_kernel_matches_float64():
         ref = prefill_attention(q.cpu().double(), kp.cpu().double(), vp.cpu().double(), rows.cpu(), pos.cpu(), ctx)
         err = float((out.cpu().double() - ref).norm() / ref.norm())
         assert err < 1e-2, (hq, hkv, d, s, start, t, err)
+
+
+def _kernel_names(fn) -> set[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+
+
+def test_decode_fuses_projections_for_few_sessions_and_keeps_cublas_for_more(cuda_bundle):
+    """Up to 16 sessions a decode step runs the fused small-linear kernel, each row bit for bit what it
+    gives alone (the kernel's rows are independent); 17 go through cuBLAS and agree to bf16 rounding."""
+    from onecopy.models import kernels
+
+    assert kernels.SMALL_LINEAR_ROWS == 16
+    with onecopy.Engine.load(cuda_bundle, "cuda", max_sessions=24, cuda_graphs=False) as engine:
+        sessions = [engine.open_session() for _ in range(17)]
+        for i, s in enumerate(sessions):
+            s.prefill(PROMPT + [i, 3 * i])
+        rows, pos = [s.row for s in sessions], [s.position for s in sessions]
+        tokens = torch.arange(17, device="cuda") * 5 + 1
+        alone = [engine._decode(rows[i:i + 1], pos[i:i + 1], tokens[i:i + 1]).clone() for i in range(17)]
+        names: dict[int, set[str]] = {}
+        out: dict[int, torch.Tensor] = {}
+        for n in (16, 17):
+            names[n] = _kernel_names(lambda n=n: out.__setitem__(n, engine._decode(rows[:n], pos[:n], tokens[:n]).clone()))
+        assert any("linear_kernel" in k for k in names[16]), sorted(names[16])
+        assert not any("linear_kernel" in k for k in names[17]), sorted(names[17])
+        for i in range(16):
+            assert torch.equal(out[16][i], alone[i][0]), i
+        for i in range(17):
+            torch.testing.assert_close(out[17][i].float(), alone[i][0].float(), rtol=0.05, atol=0.05)
+
+
+def test_small_linear_kernel_matches_float64():
+    """The fused kernel (plain, SwiGLU after, residual add after) against float64 torch ops, 1 to 16 rows,
+    shapes that are and are not multiples of its tiles."""
+    from onecopy.models import kernels
+
+    kernels.register()
+    torch.manual_seed(0)
+    for m, n, k, glu, res in [(1, 6144, 4096, False, False), (16, 4096, 4096, False, True), (5, 2 * 1000, 4096, True, False),
+                              (3, 100, 72, False, True), (16, 2 * 96, 14336, True, False), (1, 130, 8, False, False),
+                              (2, 128256, 4096, False, False)]:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        r = torch.randn(m, n // 2 if glu else n, device="cuda", dtype=torch.bfloat16) if res else None
+        out = kernels.small_linear(x, w, r, glu)
+        ref = x.double().cpu() @ w.double().cpu().t()
+        if glu:
+            gate, up = ref.chunk(2, dim=-1)
+            ref = torch.nn.functional.silu(gate) * up
+        if res:
+            ref = ref + r.double().cpu()
+        err = float((out.double().cpu() - ref).norm() / ref.norm())
+        assert out.shape == ref.shape and err < 1e-2, (m, n, k, glu, res, err)

@@ -1,0 +1,34 @@
+"""`projections.by_rows`: the batch-size switch the CUDA decode uses, checked inside a real CPU package."""
+
+import torch
+from torch import nn
+
+from onecopy.models import kernels
+from onecopy.models.projections import by_rows
+
+
+class TwoPaths(nn.Module):
+    """few rows: x @ w.T + 1; more: x @ w.T (so the output says which branch ran)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return by_rows(x.shape[0], lambda x, w: x @ w.t() + 1, lambda x, w: x @ w.t(), (x, self.proj.weight))
+
+
+def test_by_rows_switches_on_the_host_per_batch_size_with_weights_bound_from_outside(tmp_path):
+    m = TwoPaths()
+    b = torch.export.Dim("batch", min=1, max=1024)
+    ep = torch.export.export(m, (torch.randn(2, 8),), dynamic_shapes=({0: b},), strict=False)
+    pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "m.pt2"), inductor_configs={
+        "always_keep_tensor_constants": True, "aot_inductor.package_constants_in_so": False})
+    compiled = torch._inductor.aoti_load_package(pkg)
+    assert compiled.get_constant_fqns() == ["proj.weight"]  # one weight, bound from outside: no copy per branch
+    w = torch.randn(4, 8)
+    compiled.load_constants({"proj.weight": w}, check_full_update=True, user_managed=True)
+    few = kernels.SMALL_LINEAR_ROWS
+    for n in (1, few, few + 1, 1024):
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(compiled(x), x @ w.t() + (1 if n <= few else 0))
