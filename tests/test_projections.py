@@ -3,6 +3,7 @@
 import torch
 from torch import nn
 
+from onecopy.export.exporter import EXTERNAL_WEIGHTS
 from onecopy.models import kernels
 from onecopy.models.projections import by_rows
 
@@ -22,8 +23,8 @@ def test_by_rows_switches_on_the_host_per_batch_size_with_weights_bound_from_out
     m = TwoPaths()
     b = torch.export.Dim("batch", min=1, max=1024)
     ep = torch.export.export(m, (torch.randn(2, 8),), dynamic_shapes=({0: b},), strict=False)
-    pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "m.pt2"), inductor_configs={
-        "always_keep_tensor_constants": True, "aot_inductor.package_constants_in_so": False})
+    pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "m.pt2"),
+                                                   inductor_configs=dict(EXTERNAL_WEIGHTS))
     compiled = torch._inductor.aoti_load_package(pkg)
     assert compiled.get_constant_fqns() == ["proj.weight"]  # one weight, bound from outside: no copy per branch
     w = torch.randn(4, 8)

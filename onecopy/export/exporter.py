@@ -154,12 +154,17 @@ def _export_method(method: MethodDef, name: str, declared: set[str]) -> tuple[to
     return ep, writes
 
 
+# AOTInductor settings for a weightless package: every parameter stays a named constant the runtime
+# binds from the weight store (user-managed), none is baked into the .so.
+EXTERNAL_WEIGHTS = {"always_keep_tensor_constants": True, "aot_inductor.package_constants_in_so": False}
+
+
 def _compile_method(ep: torch.export.ExportedProgram, method: MethodDef, name: str, tmp: Path, cxx: str, embed: bool,
                     writes: set[str]) -> MethodSpec:
     pkg = tmp / "methods" / f"{name}.pt2"
     configs: dict = {"cpp.cxx": (cxx,)}
     if not embed:
-        configs.update({"always_keep_tensor_constants": True, "aot_inductor.package_constants_in_so": False})
+        configs.update(EXTERNAL_WEIGHTS)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch._inductor.aoti_compile_and_package(ep, package_path=str(pkg), inductor_configs=configs)

@@ -16,7 +16,7 @@ work after it folded in: SwiGLU of a fused gate/up weight (``glu``) or a residua
 before it is not: every program would redo the row's reduction, which cost more than the separate
 norm kernel on the H200.) cuBLAS splits such a skinny product over K and reduces in a second
 kernel; this reads each weight once, in one kernel, at close to the copy bandwidth
-(benchmarks/gemv_cuda.py). Wider batches keep cuBLAS (`models.linear` picks per call).
+(benchmarks/gemv_cuda.py). Wider batches keep cuBLAS (`projections.by_rows` picks per call).
 """
 
 from __future__ import annotations
@@ -245,15 +245,12 @@ def launch_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
     n_out = weight.shape[0] // 2 if glu else weight.shape[0]
     block_n, block_k, warps, stages = tiles
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
-    wrap_triton(_linear_kernel())[(triton_cdiv(n_out, block_n),)](
+    wrap_triton(_linear_kernel())[(-(-n_out // block_n),)](
         x, weight, out, residual if residual is not None else out,
         m, n_out, k, x.stride(0), weight.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0,
-        BLOCK_M=SMALL_LINEAR_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, GLU=glu, RESIDUAL=residual is not None, num_warps=warps, num_stages=stages)
+        BLOCK_M=SMALL_LINEAR_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, GLU=glu, RESIDUAL=residual is not None,
+        num_warps=warps, num_stages=stages)
     return out
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
 
 
 def prefill_tiles(d: int) -> tuple[int, int, int, int]:
@@ -342,6 +339,6 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
 def small_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
                  glu: bool = False) -> torch.Tensor:
     """See the op: ``x`` [M <= SMALL_LINEAR_ROWS, K] through ``weight`` [N, K], with SwiGLU or a residual
-    add after, in one kernel (CUDA only). Needs `register` to have
-    run (it cannot run inside the ``torch.cond`` branch that calls this)."""
+    add after, in one kernel (CUDA only). Needs `register` to have run (it cannot run inside the
+    ``torch.cond`` branch that calls this)."""
     return torch.ops.onecopy.small_linear(x, weight, residual, glu)

@@ -20,7 +20,7 @@ from torch import nn
 from . import kernels
 from .attention import Step, attend_pooled
 from .base import MethodDef, PooledModel, as_method, pooled_methods
-from .projections import by_rows, fused_decode
+from .projections import by_rows, fused_decode, linear
 
 
 @dataclass
@@ -203,27 +203,17 @@ class Block(nn.Module):
         (QKV; output + residual; gate/up + SwiGLU; down + residual), for more the ops above (see
         `projections`)."""
         n = x.shape[0]
-        attn, ffn = self.attention, self.feed_forward
-        wqkv = (attn.wqkv.weight, self.attention_norm.weight)
-        eps_a, eps_f, bias = self.attention_norm.eps, self.ffn_norm.eps, attn.wqkv.bias is not None
-
-        def qkv_few(x, w, g, *b):
-            y = kernels.small_linear(rms_norm(x, g, eps_a), w)
-            return y + b[0] if bias else y
-
-        def qkv_many(x, w, g, *b):
-            return F.linear(rms_norm(x, g, eps_a), w, *b)
-
-        qkv = by_rows(n, qkv_few, qkv_many, (x[:, 0], *wqkv, *([attn.wqkv.bias] if bias else [])))
+        attn, ffn, eps = self.attention, self.feed_forward, self.ffn_norm.eps
+        qkv = linear(self.attention_norm(x[:, 0]), attn.wqkv.weight, attn.wqkv.bias)
         y = attn.attend(qkv[:, None], cos, sin, step, k_pool, v_pool)[:, 0]
 
         def rest_few(y, x, wo, g, w13, w2):
             h = kernels.small_linear(y, wo, residual=x)
-            return kernels.small_linear(kernels.small_linear(rms_norm(h, g, eps_f), w13, glu=True), w2, residual=h)
+            return kernels.small_linear(kernels.small_linear(rms_norm(h, g, eps), w13, glu=True), w2, residual=h)
 
         def rest_many(y, x, wo, g, w13, w2):
             h = x + F.linear(y, wo)
-            gate, up = F.linear(rms_norm(h, g, eps_f), w13).split([ffn.hidden, ffn.hidden], dim=-1)
+            gate, up = F.linear(rms_norm(h, g, eps), w13).split([ffn.hidden, ffn.hidden], dim=-1)
             return h + F.linear(F.silu(gate) * up, w2)
 
         weights = (attn.wo.weight, self.ffn_norm.weight, ffn.w13.weight, ffn.w2.weight)
@@ -268,10 +258,7 @@ class Transformer(PooledModel):
 
     def _logits(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
         w = self.tok_embeddings.weight if self.config.tie_embeddings else self.output.weight
-        if fused_decode(x, decode):  # the LM head in the small-linear kernel for a few sessions
-            return by_rows(x.shape[0], lambda x, w, g: kernels.small_linear(rms_norm(x, g, self.norm.eps), w),
-                           lambda x, w, g: F.linear(rms_norm(x, g, self.norm.eps), w), (x, w, self.norm.weight))
-        return F.linear(self.norm(x), w)
+        return (linear if fused_decode(x, decode) else F.linear)(self.norm(x), w)
 
     def _run(self, tokens: torch.Tensor, step: Step, pools: tuple[torch.Tensor, ...]) -> torch.Tensor:
         x = self.tok_embeddings(tokens)

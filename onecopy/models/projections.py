@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from . import kernels
 
@@ -34,3 +35,16 @@ def by_rows(rows: int | torch.SymInt, few: Callable[..., torch.Tensor], many: Ca
     branches close over no parameters, so export lifts nothing behind the store's back).
     """
     return torch.cond(rows <= kernels.SMALL_LINEAR_ROWS, few, many, operands)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` of a decode step's rows [B, K]: the small-linear kernel for a few, cuBLAS for more."""
+
+    def few(x: torch.Tensor, w: torch.Tensor, *b: torch.Tensor) -> torch.Tensor:
+        y = kernels.small_linear(x, w)
+        return y + b[0] if b else y
+
+    def many(x: torch.Tensor, w: torch.Tensor, *b: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, w, *b)
+
+    return by_rows(x.shape[0], few, many, (x, weight) if bias is None else (x, weight, bias))
