@@ -59,6 +59,11 @@ def main() -> None:
                 engine._decode([s.row], [s.position], tok)
             torch.cuda.synchronize()
         n_layers = engine.manifest.config["n_layers"]
+    # One step's kernels in launch order (the last step's), so each projection's time can be read off.
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    per_step = len(events) // a.steps
+    sequence = [[e.name[:60], round(e.time_range.elapsed_us(), 2)] for e in events[-per_step:]]
     kernels: dict[str, dict] = {}
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
@@ -78,10 +83,11 @@ def main() -> None:
            "by_kind": {k: {"us_per_step": round(v["us_per_step"], 1), "calls_per_step": round(v["calls_per_step"], 1),
                            "us_per_layer": round(v["us_per_step"] / n_layers, 2)} for k, v in by_kind.items()},
            "kernels": dict(sorted(((n, {**v, "us_per_step": round(v["us_per_step"], 2)}) for n, v in kernels.items()),
-                                  key=lambda kv: -kv[1]["us_per_step"]))}
+                                  key=lambda kv: -kv[1]["us_per_step"])),
+           "last_step_sequence": sequence}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1))
-    print(json.dumps({k: v for k, v in res.items() if k != "kernels"}, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k not in ("kernels", "last_step_sequence")}, indent=1))
     for n, v in list(res["kernels"].items())[:25]:
         print(f"{v['us_per_step']:9.1f} us {v['calls_per_step']:6.1f}x {v['kind']:<16} {n[:110]}")
 

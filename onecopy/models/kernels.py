@@ -4,6 +4,10 @@
 the filled prefix (``lengths``) in place: split-KV ("flash-decoding") with all query heads of a
 grouped-query group served by one program, so each K/V block is read once. A second kernel merges
 the splits. On CPU the exported methods use `attention.pooled_attention` instead.
+`decode_attention_rope`: the same from a decode step's projected q/k/v rows, with RoPE on q and the
+new k and the write of the new k/v into the pool done inside the split kernel (two kernels fewer per
+layer): the program whose split holds the new position takes that key from registers, last, and
+caches it; the others read only positions before it, so no program reads what another writes.
 
 `prefill_attention`: a prefill chunk's queries against its session's row, causal by position, in
 place (flash attention over the pool row: no copy of the row, no mask tensor, and key blocks past a
@@ -12,9 +16,11 @@ On CPU the exported methods use `attention.chunk_attention` instead.
 
 `small_linear`: ``x @ weight.T`` for a few rows (a decode step of up to `SMALL_LINEAR_ROWS` sessions),
 one program per `BLOCK_N` output features streaming their weight rows once, with the elementwise
-work after it folded in: SwiGLU of a fused gate/up weight (``glu``) or a residual add. (RMSNorm
-before it is not: every program would redo the row's reduction, which cost more than the separate
-norm kernel on the H200.) cuBLAS splits such a skinny product over K and reduces in a second
+work after it folded in: SwiGLU of a fused gate/up weight (``glu``) or a residual add, and the
+RMSNorm before it. A norm needs its row's sum of squares before any program can start, and every
+program redoing that reduction cost more than a separate norm kernel on the H200; so each kernel also
+writes its programs' partial sums of squares of its output rows, and the next kernel's programs add
+up those few floats (one kernel fewer per norm, nothing re-read). cuBLAS splits such a skinny product over K and reduces in a second
 kernel; this reads each weight once, in one kernel, at close to the copy bandwidth
 (benchmarks/gemv_cuda.py). Wider batches keep cuBLAS (`projections.by_rows` picks per call).
 """
@@ -37,6 +43,8 @@ SPLIT_MAX = 256
 PREFILL_TILES = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)}
 # small_linear: the most rows a call serves (the tensor-core tile's height; more rows go to cuBLAS).
 SMALL_LINEAR_ROWS = 16
+# An RMSNorm folded into small_linear: (weight, partial sums of squares of each row [M, P], eps).
+Norm = tuple[torch.Tensor, torch.Tensor, float]
 
 
 def small_linear_tiles(n_out: int, glu: bool) -> tuple[int, int, int, int]:
@@ -72,11 +80,11 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def split_kernel(Q, K, V, ROWS, LENS, PO, PML,
+    def split_kernel(Q, K, V, ROWS, LENS, PO, PML, COS, SIN,
                      stride_qb, stride_qh, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
-                     stride_pob, stride_poh, stride_pos, stride_pmb, stride_pmh, stride_pms,
+                     stride_pob, stride_poh, stride_pos, stride_pmb, stride_pmh, stride_pms, stride_cb,
                      G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, NS: tl.constexpr,
-                     SCALE: tl.constexpr):
+                     SCALE: tl.constexpr, NEW: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -89,12 +97,29 @@ def _kernels():
         offs_d = tl.arange(0, D)
         gmask = offs_g < G
         heads = kvh * G + offs_g
-        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None], other=0.0)
+        k_base = K + row * stride_kp + kvh * stride_kh
+        v_base = V + row * stride_vp + kvh * stride_vh
+        if NEW:  # Q is the step's projected q/k/v row: RoPE on q and the new k here, the new k/v not yet cached
+            cur = length - 1
+            rot = (offs_d + D // 2) % D  # rotate_half: (-x2, x1)
+            sign = tl.where(offs_d < D // 2, -1.0, 1.0)
+            c = tl.load(COS + b * stride_cb + offs_d).to(tl.float32)
+            s_ = tl.load(SIN + b * stride_cb + offs_d).to(tl.float32) * sign
+            qb = Q + b * stride_qb
+            q = tl.load(qb + heads[:, None] * D + offs_d[None, :], mask=gmask[:, None], other=0.0)
+            qr = tl.load(qb + heads[:, None] * D + rot[None, :], mask=gmask[:, None], other=0.0)
+            q = (q.to(tl.float32) * c[None, :] + qr.to(tl.float32) * s_[None, :]).to(q.dtype)
+            own = (start <= cur) & (cur < end)  # the one program whose split holds the new position
+            kn = tl.load(qb + (HQ + kvh) * D + offs_d, mask=own & (offs_d < D), other=0.0)
+            knr = tl.load(qb + (HQ + kvh) * D + rot, mask=own & (offs_d < D), other=0.0)
+            k_new = (kn.to(tl.float32) * c + knr.to(tl.float32) * s_).to(kn.dtype)
+            v_new = tl.load(qb + (HQ + HKV + kvh) * D + offs_d, mask=own & (offs_d < D), other=0.0)
+            end = tl.minimum(end, cur)  # the pool holds positions < cur; the new one comes from registers
+        else:
+            q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None], other=0.0)
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
-        k_base = K + row * stride_kp + kvh * stride_kh
-        v_base = V + row * stride_vp + kvh * stride_vh
         for n in range(start, end, BLOCK):
             offs_n = n + tl.arange(0, BLOCK)
             nmask = offs_n < end
@@ -108,6 +133,17 @@ def _kernels():
             v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=nmask[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
+        if NEW:
+            if own:  # the new key last, as the loop would have taken it; then it is cached
+                s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * SCALE
+                m_new = tl.maximum(m_i, s_new)
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(s_new - m_new)
+                l_i = l_i * alpha + p
+                acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
+                m_i = m_new
+                tl.store(k_base + cur * stride_ks + offs_d, k_new)
+                tl.store(v_base + cur * stride_vs + offs_d, v_new)
         tl.store(PO + b * stride_pob + heads[:, None] * stride_poh + sp * stride_pos + offs_d[None, :], acc,
                  mask=gmask[:, None])
         pml = PML + b * stride_pmb + heads * stride_pmh + sp * stride_pms
@@ -200,9 +236,9 @@ def _linear_kernel():
     import triton.language as tl
 
     @triton.jit
-    def linear_kernel(X, W, OUT, R, M, N_OUT, K, stride_xm, stride_wn, stride_om, stride_rm,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr,
-                      RESIDUAL: tl.constexpr):
+    def linear_kernel(X, W, OUT, R, NW, SS, SS_OUT, M, N_OUT, K, P_IN, eps, stride_xm, stride_wn, stride_om, stride_rm,
+                      stride_ssm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr,
+                      RESIDUAL: tl.constexpr, NORM: tl.constexpr, P_POW2: tl.constexpr):
         pid = tl.program_id(0)
         dtype = OUT.dtype.element_ty
         offs_m = tl.arange(0, BLOCK_M)
@@ -210,18 +246,29 @@ def _linear_kernel():
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = offs_n < N_OUT
         offs_k = tl.arange(0, BLOCK_K)
+        if NORM:  # the row's sum of squares, from the partial sums of the kernel that produced x
+            offs_p = tl.arange(0, P_POW2)
+            ss = tl.load(SS + offs_m[:, None] * stride_ssm + offs_p[None, :], mask=mmask[:, None] & (offs_p < P_IN)[None, :],
+                         other=0.0)
+            rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k in range(0, K, BLOCK_K):
             kk = k + offs_k
             kmask = kk < K
             x = tl.load(X + offs_m[:, None] * stride_xm + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            if NORM:  # the norm's weight on x here, its 1/rms on the sums below (off the loop's critical path)
+                nw = tl.load(NW + kk, mask=kmask, other=0.0)
+                x = x * nw[None, :]
             w = tl.load(W + offs_n[:, None] * stride_wn + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
             acc += tl.dot(x, tl.trans(w))  # tensor cores even for one row: FMAs were 1.2-1.5x slower
             if GLU:  # the up projection's rows follow the gate's
                 wu = tl.load(W + (offs_n + N_OUT)[:, None] * stride_wn + kk[None, :],
                              mask=nmask[:, None] & kmask[None, :], other=0.0)
                 acc_up += tl.dot(x, tl.trans(wu))
+        if NORM:
+            acc = acc * rstd[:, None]
+            acc_up = acc_up * rstd[:, None]
         y = acc.to(dtype)
         if GLU:  # silu(gate) * up, each rounded to the model dtype as the eager ops are
             g = y.to(tl.float32)
@@ -231,12 +278,44 @@ def _linear_kernel():
             r = tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :], mask=omask, other=0.0)
             y = (r.to(tl.float32) + y.to(tl.float32)).to(dtype)
         tl.store(OUT + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=omask)
+        # This program's share of each output row's sum of squares: the next RMSNorm adds them up.
+        yf = tl.where(omask, y.to(tl.float32), 0.0)
+        tl.store(SS_OUT + offs_m * tl.num_programs(0) + pid, tl.sum(yf * yf, axis=1), mask=mmask)
 
     return linear_kernel
 
 
+def launch_decode(q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, k_pool: torch.Tensor,
+                  v_pool: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The split and merge launches of `decode_attention` (``rope`` None: q [B, Hq, D]) or of
+    `decode_attention_rope` (``rope`` = (cos, sin): q is the qkv rows). Traceable inside the ops."""
+    from torch.library import wrap_triton
+
+    split_kernel, merge_kernel = _kernels()
+    hkv, s, d = k_pool.shape[1], k_pool.shape[2], k_pool.shape[3]
+    b = q.shape[0]
+    hq = q.shape[1] // d - 2 * hkv if rope is not None else q.shape[1]
+    g = hq // hkv
+    ns = n_splits(s)
+    po = torch.empty((b, hq, ns, d), dtype=torch.float32, device=q.device)
+    pml = torch.empty((b, hq, ns, 2), dtype=torch.float32, device=q.device)
+    out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
+    cos, sin = rope if rope is not None else (q, q)  # placeholders the kernel never reads
+    wrap_triton(split_kernel)[(b, hkv, ns)](
+        q, k_pool, v_pool, rows, lengths, po, pml, cos, sin,
+        q.stride(0), d if rope is not None else q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+        po.stride(0), po.stride(1), po.stride(2), pml.stride(0), pml.stride(1), pml.stride(2), cos.stride(0),
+        G=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, BLOCK=BLOCK_N, NS=ns, SCALE=d ** -0.5,
+        NEW=rope is not None, HQ=hq, HKV=hkv, num_warps=4, num_stages=2)
+    wrap_triton(merge_kernel)[(b, hq)](
+        po, pml, out, po.stride(0), po.stride(1), po.stride(2), pml.stride(0), pml.stride(1), pml.stride(2),
+        out.stride(0), out.stride(1), NS=ns, NSP=max(2, 1 << (ns - 1).bit_length()), D=d, num_warps=4)
+    return out
+
+
 def launch_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, glu: bool,
-                  tiles: tuple[int, int, int, int]) -> torch.Tensor:
+                  tiles: tuple[int, int, int, int], norm: Norm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch of the small-linear kernel (see `small_linear`) with tiles (BLOCK_N, BLOCK_K, warps,
     stages). Traceable inside the op; a plain launch outside it (benchmarks/gemv_cuda.py)."""
     from torch.library import wrap_triton
@@ -244,13 +323,22 @@ def launch_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
     m, k = x.shape
     n_out = weight.shape[0] // 2 if glu else weight.shape[0]
     block_n, block_k, warps, stages = tiles
+    programs = -(-n_out // block_n)
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
-    wrap_triton(_linear_kernel())[(-(-n_out // block_n),)](
-        x, weight, out, residual if residual is not None else out,
-        m, n_out, k, x.stride(0), weight.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0,
+    ss_out = torch.empty((m, programs), dtype=torch.float32, device=x.device)
+    nw, ss, eps = norm if norm is not None else (out, ss_out, 0.0)  # placeholders the kernel never reads
+    wrap_triton(_linear_kernel())[(programs,)](
+        x, weight, out, residual if residual is not None else out, nw, ss, ss_out,
+        m, n_out, k, ss.shape[1], eps, x.stride(0), weight.stride(0), out.stride(0),
+        residual.stride(0) if residual is not None else 0, ss.stride(0),
         BLOCK_M=SMALL_LINEAR_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, GLU=glu, RESIDUAL=residual is not None,
-        num_warps=warps, num_stages=stages)
-    return out
+        NORM=norm is not None, P_POW2=max(2, 1 << (ss.shape[1] - 1).bit_length()), num_warps=warps, num_stages=stages)
+    return out, ss_out
+
+
+def small_linear_programs(n_out: int, glu: bool) -> int:
+    """How many partial sums of squares `small_linear` returns per row for ``n_out`` outputs."""
+    return -(-n_out // small_linear_tiles(n_out, glu)[0])
 
 
 def prefill_tiles(d: int) -> tuple[int, int, int, int]:
@@ -260,32 +348,24 @@ def prefill_tiles(d: int) -> tuple[int, int, int, int]:
 
 @functools.cache
 def register() -> None:
-    """Define ``torch.ops.onecopy.decode_attention`` and ``prefill_attention`` (once per process)."""
-    from torch.library import triton_op, wrap_triton
+    """Define the ``torch.ops.onecopy`` kernel ops (once per process)."""
+    from torch.library import triton_op
 
     @triton_op("onecopy::decode_attention", mutates_args=())
     def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
                          lengths: torch.Tensor) -> torch.Tensor:
         """q [B, Hq, D] against rows[b] of the pools [P, Hkv, S, D], positions < lengths[b]; -> [B, Hq, D]."""
-        split_kernel, merge_kernel = _kernels()
-        b, hq, d = q.shape
-        hkv, s = k_pool.shape[1], k_pool.shape[2]
-        g = hq // hkv
-        ns = n_splits(s)
-        po = torch.empty((b, hq, ns, d), dtype=torch.float32, device=q.device)
-        pml = torch.empty((b, hq, ns, 2), dtype=torch.float32, device=q.device)
-        out = torch.empty_like(q)
-        wrap_triton(split_kernel)[(b, hkv, ns)](
-            q, k_pool, v_pool, rows, lengths, po, pml,
-            q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-            v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
-            po.stride(0), po.stride(1), po.stride(2), pml.stride(0), pml.stride(1), pml.stride(2),
-            G=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, BLOCK=BLOCK_N, NS=ns, SCALE=d ** -0.5,
-            num_warps=4, num_stages=2)
-        wrap_triton(merge_kernel)[(b, hq)](
-            po, pml, out, po.stride(0), po.stride(1), po.stride(2), pml.stride(0), pml.stride(1), pml.stride(2),
-            out.stride(0), out.stride(1), NS=ns, NSP=max(2, 1 << (ns - 1).bit_length()), D=d, num_warps=4)
-        return out
+        return launch_decode(q, None, k_pool, v_pool, rows, lengths)
+
+    @triton_op("onecopy::decode_attention_rope", mutates_args=("k_pool", "v_pool"))
+    def decode_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
+                              v_pool: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """A decode step's projected qkv [B, (Hq + 2 Hkv) D]: RoPE (cos, sin [B, D]) on q and k, the new k
+        and v cached in rows[b] of the pools at position lengths[b] - 1, q against positions < lengths[b];
+        -> [B, Hq, D]."""
+        qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
+        cos, sin = (t if t.stride(-1) == 1 and t.stride(0) == cos.stride(0) else t.contiguous() for t in (cos, sin))
+        return launch_decode(qkv, (cos, sin), k_pool, v_pool, rows, lengths)
 
     @triton_op("onecopy::prefill_attention", mutates_args=())
     def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
@@ -296,12 +376,16 @@ def register() -> None:
         return launch_prefill(q, k_pool, v_pool, rows, positions, prefill_tiles(q.shape[-1]))
 
     @triton_op("onecopy::small_linear", mutates_args=())
-    def small_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, glu: bool) -> torch.Tensor:
-        """[M <= SMALL_LINEAR_ROWS, K] rows -> [M, N] (N/2 with ``glu``); see the module docstring."""
+    def small_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, glu: bool,
+                     norm_weight: torch.Tensor | None, norm_ss: torch.Tensor | None,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """[M <= SMALL_LINEAR_ROWS, K] rows -> ([M, N] (N/2 with ``glu``), partial sums of squares); see
+        the module docstring."""
         x = x if x.stride(-1) == 1 else x.contiguous()
         residual = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
+        norm = None if norm_weight is None or norm_ss is None else (norm_weight, norm_ss.contiguous(), eps)
         n_out = weight.shape[0] // 2 if glu else weight.shape[0]
-        return launch_linear(x, weight, residual, glu, small_linear_tiles(n_out, glu))
+        return launch_linear(x, weight, residual, glu, small_linear_tiles(n_out, glu), norm)
 
 
 def launch_prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
@@ -336,9 +420,20 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     return torch.ops.onecopy.decode_attention(q, k_pool, v_pool, rows, lengths)
 
 
+def decode_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
+                          v_pool: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """See the op: a decode step's attention from its projected rows ``qkv`` [B, (Hq + 2 Hkv) D], with
+    RoPE (cos, sin [B, D]) and the write of the new k/v at ``positions`` [B] folded in (CUDA only)."""
+    register()
+    return torch.ops.onecopy.decode_attention_rope(qkv, cos, sin, k_pool, v_pool, rows, positions + 1)
+
+
 def small_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
-                 glu: bool = False) -> torch.Tensor:
-    """See the op: ``x`` [M <= SMALL_LINEAR_ROWS, K] through ``weight`` [N, K], with SwiGLU or a residual
-    add after, in one kernel (CUDA only). Needs `register` to have run (it cannot run inside the
-    ``torch.cond`` branch that calls this)."""
-    return torch.ops.onecopy.small_linear(x, weight, residual, glu)
+                 glu: bool = False, norm: Norm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """See the op: ``x`` [M <= SMALL_LINEAR_ROWS, K] through ``weight`` [N, K] in one kernel (CUDA only),
+    with RMSNorm before it (``norm``: its weight, the partial sums of squares of ``x``'s rows [M, P] that
+    the kernel producing ``x`` returned, eps) and SwiGLU or a residual add after it. Returns the output
+    [M, N'] and its rows' partial sums of squares [M, `small_linear_programs`] (fp32), for a norm after.
+    Needs `register` to have run (it cannot run inside the ``torch.cond`` branch that calls this)."""
+    nw, ss, eps = norm if norm is not None else (None, None, 0.0)
+    return torch.ops.onecopy.small_linear(x, weight, residual, glu, nw, ss, eps)

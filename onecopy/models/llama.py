@@ -20,7 +20,7 @@ from torch import nn
 from . import kernels
 from .attention import Step, attend_pooled
 from .base import MethodDef, PooledModel, as_method, pooled_methods
-from .projections import by_rows, fused_decode, linear
+from .projections import by_rows, fused_decode, linear, rms_norm, sum_of_squares
 
 
 @dataclass
@@ -123,13 +123,6 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in transformers' op order (normalize in fp32, scale in the model dtype)."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -192,32 +185,39 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Step, k_pool: torch.Tensor,
                 v_pool: torch.Tensor) -> torch.Tensor:
-        if fused_decode(x, step.decode):
-            return self._fused_decode(x, cos, sin, step, k_pool, v_pool)
         h = x + self.attention(self.attention_norm(x), cos, sin, step, k_pool, v_pool)
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def _fused_decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Step,
-                      k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
-        """The same layer for a decode step on CUDA: for a few sessions each projection is one kernel
-        (QKV; output + residual; gate/up + SwiGLU; down + residual), for more the ops above (see
-        `projections`)."""
+    def fused_decode(self, x: torch.Tensor, ss: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Step,
+                     k_pool: torch.Tensor, v_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer for a decode step's rows x [B, dim] on CUDA, with ``ss`` the partial sums of
+        squares of x's rows: for a few sessions each projection is one kernel (norm + QKV; output +
+        residual; norm + gate/up + SwiGLU; down + residual), for more the ops above (see `projections`);
+        RoPE and the cache write run inside the attention kernel (`kernels.decode_attention_rope`).
+        Returns the layer's output rows and their partial sums of squares (for the next norm)."""
         n = x.shape[0]
         attn, ffn, eps = self.attention, self.feed_forward, self.ffn_norm.eps
-        qkv = linear(self.attention_norm(x[:, 0]), attn.wqkv.weight, attn.wqkv.bias)
-        y = attn.attend(qkv[:, None], cos, sin, step, k_pool, v_pool)[:, 0]
+        qkv = linear(x, attn.wqkv.weight, attn.wqkv.bias, norm=(self.attention_norm.weight, ss, eps))
+        if attn.qk_norm:
+            y = attn.attend(qkv[:, None], cos, sin, step, k_pool, v_pool)[:, 0]
+        else:  # RoPE and the K/V cache write happen inside the attention kernel
+            y = kernels.decode_attention_rope(qkv, cos[:, 0, 0], sin[:, 0, 0], k_pool, v_pool, step.rows,
+                                              step.input_pos).flatten(1)
+        dim = x.shape[1]
 
         def rest_few(y, x, wo, g, w13, w2):
-            h = kernels.small_linear(y, wo, residual=x)
-            return kernels.small_linear(kernels.small_linear(rms_norm(h, g, eps), w13, glu=True), w2, residual=h)
+            h, ss_h = kernels.small_linear(y, wo, residual=x)
+            return kernels.small_linear(kernels.small_linear(h, w13, glu=True, norm=(g, ss_h, eps))[0], w2, residual=h)
 
         def rest_many(y, x, wo, g, w13, w2):
             h = x + F.linear(y, wo)
             gate, up = F.linear(rms_norm(h, g, eps), w13).split([ffn.hidden, ffn.hidden], dim=-1)
-            return h + F.linear(F.silu(gate) * up, w2)
+            out = h + F.linear(F.silu(gate) * up, w2)
+            # Same outputs as the few-rows branch; the sums are unused here (the norms recompute them).
+            return out, out.new_empty((out.shape[0], kernels.small_linear_programs(dim, False)), dtype=torch.float32)
 
         weights = (attn.wo.weight, self.ffn_norm.weight, ffn.w13.weight, ffn.w2.weight)
-        return by_rows(n, rest_few, rest_many, (y, x[:, 0], *weights))[:, None]
+        return by_rows(n, rest_few, rest_many, (y, x, *weights))
 
 
 class Transformer(PooledModel):
@@ -256,16 +256,19 @@ class Transformer(PooledModel):
     def state_fqns(self) -> list[str]:
         return list(self.state_specs())
 
-    def _logits(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
-        w = self.tok_embeddings.weight if self.config.tie_embeddings else self.output.weight
-        return (linear if fused_decode(x, decode) else F.linear)(self.norm(x), w)
-
     def _run(self, tokens: torch.Tensor, step: Step, pools: tuple[torch.Tensor, ...]) -> torch.Tensor:
         x = self.tok_embeddings(tokens)
         cos, sin = rope_cos_sin(step.input_pos, self.rope_inv_freq, self.rope_scale, x.dtype, step.decode)
+        w = self.tok_embeddings.weight if self.config.tie_embeddings else self.output.weight
+        if fused_decode(x, step.decode):  # each norm folded into the projection after it
+            x, ss = x[:, 0], sum_of_squares(x[:, 0])
+            for i, layer in enumerate(self.layers):
+                x, ss = layer.fused_decode(x, ss, cos, sin, step, pools[2 * i], pools[2 * i + 1])
+            # The LM head's 2004 programs would each redo the norm on their x tiles: a norm kernel is cheaper.
+            return linear(self.norm(x), w)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, step, pools[2 * i], pools[2 * i + 1])
-        return self._logits(x[:, -1, :], step.decode)
+        return F.linear(self.norm(x[:, -1, :]), w)
 
     def decode(self, tokens: torch.Tensor, input_pos: torch.Tensor, rows: torch.Tensor,
                *pools: torch.Tensor) -> torch.Tensor:

@@ -3,14 +3,15 @@
 At batch 1 a decode step is a chain of matrix-vector products, each reading a weight once. cuBLAS
 runs them as split-K GEMMs plus a reduction kernel, and the RMSNorm, SwiGLU and residual adds around
 them are kernels of their own; `kernels.small_linear` reads each weight once in one kernel with the
-SwiGLU or residual add after it folded in (benchmarks/gemv_cuda.py). It serves up to `kernels.SMALL_LINEAR_ROWS` rows; wider
+SwiGLU or residual add after it and the RMSNorm before it folded in (benchmarks/gemv_cuda.py,
+benchmarks/norm_fold_cuda.py). It serves up to `kernels.SMALL_LINEAR_ROWS` rows; wider
 batches keep cuBLAS and Inductor's fusions. The choice is a ``torch.cond`` on the batch size, which
 the exported method evaluates on the host: each batch size's CUDA graph holds only its branch.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,24 +28,45 @@ def fused_decode(x: torch.Tensor, decode: bool) -> bool:
     return True
 
 
-def by_rows(rows: int | torch.SymInt, few: Callable[..., torch.Tensor], many: Callable[..., torch.Tensor],
-            operands: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def by_rows(rows: int | torch.SymInt, few: Callable[..., Any], many: Callable[..., Any],
+            operands: tuple[torch.Tensor, ...]) -> Any:
     """``few(*operands)`` for at most `kernels.SMALL_LINEAR_ROWS` rows, ``many(*operands)`` otherwise.
 
-    Both must return the same shape and dtype; operands are tensors only (weights included: the
-    branches close over no parameters, so export lifts nothing behind the store's back).
+    Both must return the same tensors (or tuples of them) in shape and dtype; operands are tensors only
+    (weights included: the branches close over no parameters, so export lifts nothing behind the
+    store's back; nor symbolic sizes: take them from the operands' shapes inside).
     """
     return torch.cond(rows <= kernels.SMALL_LINEAR_ROWS, few, many, operands)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` of a decode step's rows [B, K]: the small-linear kernel for a few, cuBLAS for more."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+    """``F.linear`` of a decode step's rows [B, K]: the small-linear kernel for a few, cuBLAS for more.
 
-    def few(x: torch.Tensor, w: torch.Tensor, *b: torch.Tensor) -> torch.Tensor:
-        y = kernels.small_linear(x, w)
-        return y + b[0] if b else y
+    ``norm`` = (weight, partial sums of squares of x's rows, eps): an RMSNorm of ``x`` first, folded
+    into the kernel for a few rows (see `kernels.small_linear`), `rms_norm` for more.
+    """
+    nw, ss, eps = norm if norm is not None else (None, None, 0.0)
 
-    def many(x: torch.Tensor, w: torch.Tensor, *b: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, w, *b)
+    def few(x: torch.Tensor, w: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        y = kernels.small_linear(x, w, norm=(rest[0], rest[1], eps) if norm is not None else None)[0]
+        return y + rest[-1] if bias is not None else y
 
-    return by_rows(x.shape[0], few, many, (x, weight) if bias is None else (x, weight, bias))
+    def many(x: torch.Tensor, w: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        return F.linear(rms_norm(x, rest[0], eps) if norm is not None else x, w, rest[-1] if bias is not None else None)
+
+    operands = (x, weight) + ((nw, ss) if norm is not None else ()) + ((bias,) if bias is not None else ())
+    return by_rows(x.shape[0], few, many, operands)
+
+
+def sum_of_squares(x: torch.Tensor) -> torch.Tensor:
+    """Each row's sum of squares in fp32 [B, 1]: the one partial sum a norm folded into `linear` needs
+    for a row that no small-linear kernel produced (the embedding output)."""
+    return x.float().pow(2).sum(-1, keepdim=True)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in transformers' op order (normalize in fp32, scale in the model dtype)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)

@@ -183,6 +183,41 @@ def test_decode_attention_kernel_matches_float64():
         assert err < 1e-2, (b, hq, hkv, d, s, err)
 
 
+def test_decode_attention_with_rope_and_cache_write_matches_float64():
+    """The decode kernel fed the projected q/k/v rows: RoPE on q and the new k, the new k/v cached at each
+    row's position (and nothing else of the pool touched), attention through that position, against
+    float64 torch ops: first position, mid-block, block and split boundaries, the pool's last position."""
+    from onecopy.models import kernels
+    from onecopy.models.attention import pooled_attention
+    from onecopy.models.llama import rotate_half
+
+    torch.manual_seed(0)
+    for hq, hkv, d, s, positions in [(32, 8, 128, 4097, [0, 1023, 4096]), (4, 2, 64, 300, [63, 64, 299]),
+                                     (6, 6, 64, 1500, [256, 1000])]:
+        b = len(positions)
+        qkv = torch.randn(b, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+        angles = torch.rand(b, d // 2, device="cuda") * 6.28
+        cos, sin = (f(torch.cat((angles, angles), -1)).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+        kp = torch.randn(b + 1, hkv, s, d, device="cuda", dtype=torch.bfloat16)
+        vp = torch.randn_like(kp)
+        rows = torch.tensor(list(range(b, 0, -1)), device="cuda")  # not the identity: rows are looked up
+        pos = torch.tensor(positions, device="cuda")
+        kp_ref, vp_ref = kp.cpu().double(), vp.cpu().double()
+        out = kernels.decode_attention_rope(qkv, cos, sin, kp, vp, rows, pos)
+
+        q, k, v = qkv.cpu().double().split([hq * d, hkv * d, hkv * d], dim=-1)
+        c, sn = cos.cpu().double()[:, None], sin.cpu().double()[:, None]
+        q, k, v = q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d)
+        q, k = q * c + rotate_half(q) * sn, k * c + rotate_half(k) * sn
+        for i, (r, p) in enumerate(zip(rows.tolist(), positions)):
+            kp_ref[r, :, p], vp_ref[r, :, p] = k[i], v[i]
+        ref = pooled_attention(q, kp_ref, vp_ref, rows.cpu(), pos.cpu() + 1)
+        err = float((out.cpu().double() - ref).norm() / ref.norm())
+        assert out.shape == (b, hq, d) and err < 1e-2, (hq, hkv, d, s, positions, err)
+        torch.testing.assert_close(kp.cpu().double(), kp_ref, rtol=0.02, atol=0.02)  # only the new k, roped
+        assert torch.equal(vp.cpu().double(), vp_ref)  # exactly the new v, nothing else
+
+
 def test_prefill_attention_kernel_matches_float64():
     """The Triton prefill kernel against a float64 reference: fresh prompts and chunks after a filled prefix,
     head sizes 16 to 256, lengths that are and are not multiples of the tiles."""
@@ -239,24 +274,35 @@ def test_decode_fuses_projections_for_few_sessions_and_keeps_cublas_for_more(cud
 
 
 def test_small_linear_kernel_matches_float64():
-    """The fused kernel (plain, SwiGLU after, residual add after) against float64 torch ops, 1 to 16 rows,
-    shapes that are and are not multiples of its tiles."""
+    """The fused kernel (plain, RMSNorm before, SwiGLU after, residual add after) against float64 torch
+    ops, 1 to 16 rows, shapes that are and are not multiples of its tiles; and the partial sums of squares
+    it returns add up to each output row's, the norm a following kernel folds in."""
     from onecopy.models import kernels
+    from onecopy.models.projections import sum_of_squares
 
     kernels.register()
     torch.manual_seed(0)
-    for m, n, k, glu, res in [(1, 6144, 4096, False, False), (16, 4096, 4096, False, True), (5, 2 * 1000, 4096, True, False),
-                              (3, 100, 72, False, True), (16, 2 * 96, 14336, True, False), (1, 130, 8, False, False),
-                              (2, 128256, 4096, False, False)]:
+    for m, n, k, glu, res, norm in [(1, 6144, 4096, False, False, True), (16, 4096, 4096, False, True, False),
+                                    (5, 2 * 1000, 4096, True, False, True), (3, 100, 72, False, True, True),
+                                    (16, 2 * 96, 14336, True, False, False), (1, 130, 8, False, False, False),
+                                    (2, 128256, 4096, False, False, True)]:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
         r = torch.randn(m, n // 2 if glu else n, device="cuda", dtype=torch.bfloat16) if res else None
-        out = kernels.small_linear(x, w, r, glu)
-        ref = x.double().cpu() @ w.double().cpu().t()
+        g = 1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16)
+        # The norm's sums as a producing kernel would hand them over: split over several programs.
+        parts = torch.stack([sum_of_squares(c)[:, 0] for c in x.chunk(7, dim=1)], dim=1) if norm else None
+        out, ss = kernels.small_linear(x, w, r, glu, norm=(g, parts, 1e-5) if norm else None)
+        xd = x.double().cpu()
+        if norm:
+            xd = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * g.double().cpu()
+        ref = xd @ w.double().cpu().t()
         if glu:
             gate, up = ref.chunk(2, dim=-1)
             ref = torch.nn.functional.silu(gate) * up
         if res:
             ref = ref + r.double().cpu()
         err = float((out.double().cpu() - ref).norm() / ref.norm())
-        assert out.shape == ref.shape and err < 1e-2, (m, n, k, glu, res, err)
+        assert out.shape == ref.shape and err < 1e-2, (m, n, k, glu, res, norm, err)
+        assert ss.shape == (m, kernels.small_linear_programs(out.shape[1], glu)) and ss.dtype == torch.float32
+        torch.testing.assert_close(ss.sum(-1), sum_of_squares(out)[:, 0], rtol=1e-5, atol=1e-5)
