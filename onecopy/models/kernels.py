@@ -364,7 +364,7 @@ def register() -> None:
         and v cached in rows[b] of the pools at position lengths[b] - 1, q against positions < lengths[b];
         -> [B, Hq, D]."""
         qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
-        cos, sin = (t if t.stride(-1) == 1 and t.stride(0) == cos.stride(0) else t.contiguous() for t in (cos, sin))
+        cos, sin = cos.contiguous(), sin.contiguous()  # one row stride for both (views of [B, 1, 1, D] already are)
         return launch_decode(qkv, (cos, sin), k_pool, v_pool, rows, lengths)
 
     @triton_op("onecopy::prefill_attention", mutates_args=())

@@ -197,7 +197,7 @@ class Block(nn.Module):
         Returns the layer's output rows and their partial sums of squares (for the next norm)."""
         n = x.shape[0]
         attn, ffn, eps = self.attention, self.feed_forward, self.ffn_norm.eps
-        qkv = linear(x, attn.wqkv.weight, attn.wqkv.bias, norm=(self.attention_norm.weight, ss, eps))
+        qkv = linear(x, attn.wqkv.weight, attn.wqkv.bias, norm=(self.attention_norm.weight, ss, self.attention_norm.eps))
         if attn.qk_norm:
             y = attn.attend(qkv[:, None], cos, sin, step, k_pool, v_pool)[:, 0]
         else:  # RoPE and the K/V cache write happen inside the attention kernel

@@ -40,7 +40,7 @@ def by_rows(rows: int | torch.SymInt, few: Callable[..., Any], many: Callable[..
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+           norm: kernels.Norm | None = None) -> torch.Tensor:
     """``F.linear`` of a decode step's rows [B, K]: the small-linear kernel for a few, cuBLAS for more.
 
     ``norm`` = (weight, partial sums of squares of x's rows, eps): an RMSNorm of ``x`` first, folded
