@@ -118,6 +118,7 @@ class MethodSpec:
     writes: list[str] = field(default_factory=list)  # the subset of `state` it writes in place
     role: str = ""
     mutated_constants: list[str] = field(default_factory=list)  # constants written in place: sessions would share them
+    batch_invariant: bool = False  # decode: each row's results independent of the batch it runs in
 
 
 @dataclass

@@ -141,8 +141,9 @@ def _cmd_info(a: argparse.Namespace) -> int:
     print(f"device kind   {m.device_kind}  dtype={m.dtype}  max_seq_len={m.max_seq_len}")
     for name, spec in m.methods.items():
         shapes = ", ".join(f"{i.name}{i.shape}" for i in spec.inputs)
-        print(f"method        {name:<8} weights={spec.weights:<8} role={spec.role:<7} constants={len(spec.constants)} "
-              f"state={len(spec.state)}  inputs: {shapes}")
+        invariant = " batch-invariant" if spec.batch_invariant else ""
+        print(f"method        {name:<8} weights={spec.weights:<8} role={spec.role:<7}{invariant} "
+              f"constants={len(spec.constants)} state={len(spec.state)}  inputs: {shapes}")
     print(f"weights       {len(m.weights)} tensors, {weight_bytes / 2**20:,.1f} MiB (held once on the device)")
     print(f"state         {len(m.state)} tensors, {state_bytes / 2**20:,.1f} MiB per session")
     print(f"memory        one session needs ~{(weight_bytes + state_bytes) / 2**20:,.1f} MiB "
@@ -213,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-sessions", type=int, help="requests generated at once (rows of the state pool)")
     v.add_argument("--max-queue", type=int, default=64, help="requests waiting for a row before 429 (default 64)")
     v.add_argument("--model-name", help="the model id clients use (default: the source's name)")
-    v.add_argument("--deterministic", action="store_true", help="batch-invariant decoding (every step at full size)")
+    v.add_argument("--deterministic", action="store_true", help="batch-invariant decoding: a session's tokens never depend on its neighbours")
     v.add_argument("--grace", type=float, default=10.0, help="seconds streams get to finish after SIGTERM")
     v.add_argument("--max-body-bytes", type=int, default=4 << 20)
     v.add_argument("--no-conversation-cache", action="store_true", help="prefill every chat's history again")

@@ -41,8 +41,9 @@ def default_bundle(device: str = "cpu", progress: bool = True, model: str = EMBE
         name = f"{Path(where).name}-{hashlib.sha1(where.encode()).hexdigest()[:8]}"
     path = cache_dir() / f"{name}-{device}-msl{max_seq_len}-torch{torch_tag}-v{FORMAT_VERSION}"
     try:
-        read_manifest(path)
-        return path
+        methods = read_manifest(path).methods.values()
+        if any(m.batch_invariant for m in methods if m.role == "decode"):
+            return path  # else built by an onecopy before batch-invariant decode: build it again
     except BundleError:
         pass  # absent or damaged: (re)build it
     path.parent.mkdir(parents=True, exist_ok=True)

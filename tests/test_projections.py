@@ -16,16 +16,20 @@ class TwoPaths(nn.Module):
         self.proj = nn.Linear(8, 4, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return by_rows(x.shape[0], lambda x, w: x @ w.t() + 1, lambda x, w: x @ w.t(), (x, self.proj.weight))
+        return by_rows(x.shape[0], lambda x, w: x @ w.t() + 1, lambda x, w: x @ w.t(),
+                       (x, self.proj.weight))
+
+
+def _compile(module: nn.Module, tmp_path):
+    b = torch.export.Dim("batch", min=1, max=1024)
+    ep = torch.export.export(module, (torch.randn(2, 8),), dynamic_shapes=({0: b},), strict=False)
+    pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "m.pt2"),
+                                                   inductor_configs=dict(EXTERNAL_WEIGHTS))
+    return torch._inductor.aoti_load_package(pkg)
 
 
 def test_by_rows_switches_on_the_host_per_batch_size_with_weights_bound_from_outside(tmp_path):
-    m = TwoPaths()
-    b = torch.export.Dim("batch", min=1, max=1024)
-    ep = torch.export.export(m, (torch.randn(2, 8),), dynamic_shapes=({0: b},), strict=False)
-    pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "m.pt2"),
-                                                   inductor_configs=dict(EXTERNAL_WEIGHTS))
-    compiled = torch._inductor.aoti_load_package(pkg)
+    compiled = _compile(TwoPaths(), tmp_path)
     assert compiled.get_constant_fqns() == ["proj.weight"]  # one weight, bound from outside: no copy per branch
     w = torch.randn(4, 8)
     compiled.load_constants({"proj.weight": w}, check_full_update=True, user_managed=True)
@@ -56,11 +60,7 @@ class TwoOutputs(nn.Module):
 
 
 def test_by_rows_branches_may_return_tuples_with_a_placeholder_in_one(tmp_path):
-    b = torch.export.Dim("batch", min=1, max=1024)
-    ep = torch.export.export(TwoOutputs(), (torch.randn(2, 8),), dynamic_shapes=({0: b},), strict=False)
-    pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "m.pt2"),
-                                                   inductor_configs=dict(EXTERNAL_WEIGHTS))
-    compiled = torch._inductor.aoti_load_package(pkg)
+    compiled = _compile(TwoOutputs(), tmp_path)
     w = torch.randn(4, 8)
     compiled.load_constants({"proj.weight": w}, check_full_update=True, user_managed=True)
     for n in (1, kernels.SMALL_LINEAR_ROWS, kernels.SMALL_LINEAR_ROWS + 1):

@@ -228,6 +228,13 @@ def test_concurrent_sessions_equal_solo_bit_for_bit(q35_engine):
     assert len({tuple(ids) for ids, _ in solo.values()}) == len(REQUESTS)
 
 
+def test_decode_method_is_batch_invariant(q35_engine):
+    """KV, conv and recurrent state rows and logits of one session, bit for bit, wherever it sits in the batch."""
+    from .invariance import assert_invariant
+
+    assert_invariant(q35_engine)
+
+
 def test_snapshot_restore_continues_identically(q35_engine, tmp_path):
     """A snapshot mid-conversation restored into a new session continues with the same tokens and state."""
     more = [42, 43, 44]

@@ -172,7 +172,8 @@ def _compile_method(ep: torch.export.ExportedProgram, method: MethodDef, name: s
     constants = sorted(torch._inductor.aoti_load_package(str(pkg)).get_constant_fqns())
     return MethodSpec(name=name, package=f"methods/{name}.pt2", package_sha256=sha256(pkg.read_bytes()),
                       weights="embedded" if embed else "external", inputs=method.inputs, constants=constants,
-                      state=list(method.state), writes=sorted(writes), role=method.role)
+                      state=list(method.state), writes=sorted(writes), role=method.role,
+                      batch_invariant=method.batch_invariant)
 
 
 def _write_bundle(tmp: Path, src: ModelSource, model: torch.nn.Module, specs: dict[str, MethodSpec], max_seq_len: int,

@@ -14,8 +14,9 @@ place (flash attention over the pool row: no copy of the row, no mask tensor, an
 query block's last position are never visited, so a fresh prompt costs half a full attention).
 On CPU the exported methods use `attention.chunk_attention` instead.
 
-`small_linear`: ``x @ weight.T`` for a few rows (a decode step of up to `SMALL_LINEAR_ROWS` sessions),
-one program per `BLOCK_N` output features streaming their weight rows once, with the elementwise
+`small_linear`: ``x @ weight.T`` for a decode step's rows, one program per `BLOCK_N` output features and
+block of `SMALL_LINEAR_ROWS` rows streaming their weight rows once (the row blocks of one weight tile
+run side by side and share it through L2), with the elementwise
 work after it folded in: SwiGLU of a fused gate/up weight (``glu``) or a residual add, and the
 RMSNorm before it. A norm needs its row's sum of squares before any program can start, and every
 program redoing that reduction cost more than a separate norm kernel on the H200; so each kernel also
@@ -41,16 +42,39 @@ SPLIT_MAX = 256
 # The fastest over a fresh 1k, a fresh 8k and a 2k-after-6k chunk on the H200
 # (benchmarks/prefill_attention_cuda.py, benchmarks/results/prefill_attention_h200.json).
 PREFILL_TILES = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)}
-# small_linear: the most rows a call serves (the tensor-core tile's height; more rows go to cuBLAS).
+# small_linear: the rows one program serves (the tensor-core tile's height). A call takes any number of
+# rows, a block of this many per program, each row's arithmetic the same wherever it sits (batch
+# invariance); the default decode sends more than this many rows to cuBLAS (`projections.by_rows`).
 SMALL_LINEAR_ROWS = 16
+# Rows per program past SMALL_LINEAR_ROWS in the batch-invariant decode (`invariant`). At 64 rows a program
+# reads the 8B shape's weights as fast as cuBLAS (0.9-1.25x per projection, benchmarks/gemv_cuda.py
+# --block-m 64, benchmarks/results/gemv_bm64_h200.json); programs of 16 rows re-read them (0.43-0.66x,
+# gemv_rows16_h200.json), and so did four 16-row dots per program (gemv_sub4_h200.json).
+INVARIANT_ROWS = 64
+# Whether the batch-invariant decode serves up to SMALL_LINEAR_ROWS rows with 16-row programs (faster for a
+# few rows): allowed only because a row's bits are the same from a 16-row and a 64-row tile with the same
+# BLOCK_N and BLOCK_K (tests/gpu/test_cuda.py::test_small_linear_rows_are_independent_of_the_batch).
+INVARIANT_SMALL_PROGRAMS = True
+SMEM_BUDGET = 200 * 1024  # bytes of shared memory the small-linear pipeline may take (H100/H200: 227 KiB)
 # An RMSNorm folded into small_linear: (weight, partial sums of squares of each row [M, P], eps).
 Norm = tuple[torch.Tensor, torch.Tensor, float]
 
 
-def small_linear_tiles(n_out: int, glu: bool) -> tuple[int, int, int, int]:
+def small_linear_tiles(n_out: int, glu: bool, invariant: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages) for ``n_out`` output features: the fastest on the H200 per
-    Llama-3-8B projection (benchmarks/gemv_cuda.py, benchmarks/results/gemv_h200.json). Few outputs
-    want long K steps to keep enough bytes in flight per program; gate/up reads two tiles per step."""
+    Llama-3-8B projection (benchmarks/gemv_cuda.py). Few outputs want long K steps to keep enough bytes
+    in flight per program; gate/up reads two tiles per step. 16 rows per program:
+    benchmarks/results/gemv_h200.json; ``invariant`` (the batch-invariant decode, whose 16- and 64-row
+    programs must share BLOCK_N and BLOCK_K so that a row's reduction order is one): the fastest with
+    64 rows per program, benchmarks/results/gemv_bm64_h200.json."""
+    if invariant:
+        if glu:
+            return (64, 128, 4, 4)
+        if n_out <= 4096:
+            return (32, 256, 4, 4)
+        if n_out <= 8192:
+            return (64, 256, 4, 3)
+        return (128, 128, 4, 4)
     if glu:
         return (32, 128, 4, 3)
     if n_out <= 4096:
@@ -239,9 +263,10 @@ def _linear_kernel():
     def linear_kernel(X, W, OUT, R, NW, SS, SS_OUT, M, N_OUT, K, P_IN, eps, stride_xm, stride_wn, stride_om, stride_rm,
                       stride_ssm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr,
                       RESIDUAL: tl.constexpr, NORM: tl.constexpr, P_POW2: tl.constexpr):
-        pid = tl.program_id(0)
+        mb = tl.program_id(0)  # row block: the fastest grid axis, so the blocks sharing a weight tile run together
+        pid = tl.program_id(1)
         dtype = OUT.dtype.element_ty
-        offs_m = tl.arange(0, BLOCK_M)
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
         mmask = offs_m < M
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = offs_n < N_OUT
@@ -280,7 +305,7 @@ def _linear_kernel():
         tl.store(OUT + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=omask)
         # This program's share of each output row's sum of squares: the next RMSNorm adds them up.
         yf = tl.where(omask, y.to(tl.float32), 0.0)
-        tl.store(SS_OUT + offs_m * tl.num_programs(0) + pid, tl.sum(yf * yf, axis=1), mask=mmask)
+        tl.store(SS_OUT + offs_m * tl.num_programs(1) + pid, tl.sum(yf * yf, axis=1), mask=mmask)
 
     return linear_kernel
 
@@ -315,30 +340,36 @@ def launch_decode(q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | Non
 
 
 def launch_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, glu: bool,
-                  tiles: tuple[int, int, int, int], norm: Norm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  tiles: tuple[int, int, int, int], norm: Norm | None = None,
+                  block_m: int = SMALL_LINEAR_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch of the small-linear kernel (see `small_linear`) with tiles (BLOCK_N, BLOCK_K, warps,
-    stages). Traceable inside the op; a plain launch outside it (benchmarks/gemv_cuda.py)."""
+    stages) and ``block_m`` rows per program (`SMALL_LINEAR_ROWS` or `INVARIANT_ROWS`).
+    Traceable inside the op; a plain launch outside it (benchmarks/gemv_cuda.py)."""
     from torch.library import wrap_triton
 
     m, k = x.shape
     n_out = weight.shape[0] // 2 if glu else weight.shape[0]
     block_n, block_k, warps, stages = tiles
+    # Shared memory per pipeline stage grows with the rows per program: fewer stages where needed (the
+    # arithmetic of a row does not depend on the stages).
+    stage_bytes = (block_m + (2 if glu else 1) * block_n) * block_k * x.element_size()
+    stages = max(1, min(stages, SMEM_BUDGET // stage_bytes))
     programs = -(-n_out // block_n)
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     ss_out = torch.empty((m, programs), dtype=torch.float32, device=x.device)
     nw, ss, eps = norm if norm is not None else (out, ss_out, 0.0)  # placeholders the kernel never reads
-    wrap_triton(_linear_kernel())[(programs,)](
+    wrap_triton(_linear_kernel())[(-(-m // block_m), programs)](
         x, weight, out, residual if residual is not None else out, nw, ss, ss_out,
         m, n_out, k, ss.shape[1], eps, x.stride(0), weight.stride(0), out.stride(0),
         residual.stride(0) if residual is not None else 0, ss.stride(0),
-        BLOCK_M=SMALL_LINEAR_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, GLU=glu, RESIDUAL=residual is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GLU=glu, RESIDUAL=residual is not None,
         NORM=norm is not None, P_POW2=max(2, 1 << (ss.shape[1] - 1).bit_length()), num_warps=warps, num_stages=stages)
     return out, ss_out
 
 
-def small_linear_programs(n_out: int, glu: bool) -> int:
+def small_linear_programs(n_out: int, glu: bool, invariant: bool = False) -> int:
     """How many partial sums of squares `small_linear` returns per row for ``n_out`` outputs."""
-    return -(-n_out // small_linear_tiles(n_out, glu)[0])
+    return -(-n_out // small_linear_tiles(n_out, glu, invariant)[0])
 
 
 def prefill_tiles(d: int) -> tuple[int, int, int, int]:
@@ -378,14 +409,14 @@ def register() -> None:
     @triton_op("onecopy::small_linear", mutates_args=())
     def small_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, glu: bool,
                      norm_weight: torch.Tensor | None, norm_ss: torch.Tensor | None,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """[M <= SMALL_LINEAR_ROWS, K] rows -> ([M, N] (N/2 with ``glu``), partial sums of squares); see
-        the module docstring."""
+                     eps: float, block_m: int, invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """[M, K] rows -> ([M, N] (N/2 with ``glu``), partial sums of squares); see the module docstring.
+        A row's result depends only on that row: fixed tiles, K reduced in one order, whatever M."""
         x = x if x.stride(-1) == 1 else x.contiguous()
         residual = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
         norm = None if norm_weight is None or norm_ss is None else (norm_weight, norm_ss.contiguous(), eps)
         n_out = weight.shape[0] // 2 if glu else weight.shape[0]
-        return launch_linear(x, weight, residual, glu, small_linear_tiles(n_out, glu), norm)
+        return launch_linear(x, weight, residual, glu, small_linear_tiles(n_out, glu, invariant), norm, block_m)
 
 
 def launch_prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
@@ -429,11 +460,14 @@ def decode_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
-                 glu: bool = False, norm: Norm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """See the op: ``x`` [M <= SMALL_LINEAR_ROWS, K] through ``weight`` [N, K] in one kernel (CUDA only),
+                 glu: bool = False, norm: Norm | None = None, block_m: int = SMALL_LINEAR_ROWS,
+                 invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """See the op: ``x`` [M, K] through ``weight`` [N, K] in one kernel (CUDA only; batch-invariant),
     with RMSNorm before it (``norm``: its weight, the partial sums of squares of ``x``'s rows [M, P] that
     the kernel producing ``x`` returned, eps) and SwiGLU or a residual add after it. Returns the output
     [M, N'] and its rows' partial sums of squares [M, `small_linear_programs`] (fp32), for a norm after.
+    ``block_m`` rows per program: `SMALL_LINEAR_ROWS` (fastest for a few rows) or `INVARIANT_ROWS`;
+    ``invariant``: the tiles of the batch-invariant decode (one BLOCK_N and BLOCK_K for both).
     Needs `register` to have run (it cannot run inside the ``torch.cond`` branch that calls this)."""
     nw, ss, eps = norm if norm is not None else (None, None, 0.0)
-    return torch.ops.onecopy.small_linear(x, weight, residual, glu, nw, ss, eps)
+    return torch.ops.onecopy.small_linear(x, weight, residual, glu, nw, ss, eps, block_m, invariant)

@@ -7,6 +7,8 @@ SwiGLU or residual add after it and the RMSNorm before it folded in (benchmarks/
 benchmarks/norm_fold_cuda.py). It serves up to `kernels.SMALL_LINEAR_ROWS` rows; wider
 batches keep cuBLAS and Inductor's fusions. The choice is a ``torch.cond`` on the batch size, which
 the exported method evaluates on the host: each batch size's CUDA graph holds only its branch.
+A batch-invariant decode (traced under `invariant.BatchInvariant`) takes none of this: its linears
+are `invariant.linear_rows`, its norms apart.
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from . import kernels
+from . import invariant, kernels
 
 
 def fused_decode(x: torch.Tensor, decode: bool) -> bool:
     """Whether a method traced with ``x`` takes the fused path: a decode step on a CUDA device with Triton
-    (then the kernel ops are registered here, outside the ``torch.cond`` branches that call them)."""
-    if not (decode and x.is_cuda and kernels.available()):
+    (then the kernel ops are registered here, outside the ``torch.cond`` branches that call them), not
+    batch-invariant: the partial sums of squares a norm fold passes on are reduced in an order that
+    depends on the rows per program, so the invariant decode runs its norms apart (`invariant`)."""
+    if not (decode and x.is_cuda and kernels.available()) or invariant.active():
         return False
     kernels.register()
     return True

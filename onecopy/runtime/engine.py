@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..bundle import Manifest, read_bundle
-from ..errors import EngineClosedError, InputError, SessionCapacityError
+from ..errors import EngineClosedError, InputError, NotBatchInvariantError, SessionCapacityError
 from ..sampling import BatchSampler, DrawPlan, SamplingParams, to_device
 from ..tokenizer import Tokenizer
 from .graphs import DecodeGraphs
@@ -80,6 +80,20 @@ def size_pool(row_bytes: int, device: torch.device, *, max_sessions: int | None,
     return rows, f"{rows} rows: the CPU default (pass max_sessions or memory_budget to change it)"
 
 
+def methods_to_load(manifest: Manifest, deterministic: bool, where: Path) -> list[str]:
+    """The methods an engine loads: every method but one decode, the batch-invariant one when
+    ``deterministic`` (NotBatchInvariantError if there is none), else the fastest (the other one)."""
+    decodes = [n for n, m in manifest.methods.items() if m.role == "decode"]
+    invariant = [n for n in decodes if manifest.methods[n].batch_invariant]
+    if deterministic and decodes and not invariant:
+        raise NotBatchInvariantError(
+            f"bundle {where} has no batch-invariant decode method (its decode: {', '.join(decodes)}), so a deterministic "
+            "engine cannot keep a session's tokens independent of its neighbours; export it again with this onecopy, "
+            "or load it with deterministic=False")
+    keep = invariant[:1] if deterministic else ([n for n in decodes if n not in invariant] or invariant)[:1]
+    return [n for n in manifest.methods if n not in decodes or n in keep]
+
+
 class Engine:
     """Owns the weight store, the loaded methods, the state pool and the scheduler. Create with `Engine.load`."""
 
@@ -116,9 +130,12 @@ class Engine:
         ``reserve_bytes``, at most 256) and 8 on CPU; ``memory_budget`` bounds the pool's bytes.
         ``memory_report().pool_sizing`` says which rule applied.
         ``cuda_graphs`` (default: on for CUDA) captures decode once per batch size in
-        ``decode_buckets`` (default 1, 2, 4, ... up to the pool size). ``deterministic`` runs every
-        decode step at the full pool size with each session at its own row's batch index, so its
-        tokens never depend on which sessions share the step. ``prefill_chunk`` (default 512)
+        ``decode_buckets`` (default 1, 2, 4, ... up to the pool size); steps run padded to the next
+        bucket with graphs, and eagerly too when ``decode_buckets`` is given. ``deterministic`` loads the
+        bundle's batch-invariant decode (`models.invariant`): a session's logits, tokens and state are
+        then the same bit for bit whatever its row, the pool size and the sessions sharing its steps
+        (CPU bundles have only that decode; CUDA bundles also a faster one for 17+ rows, the default;
+        NotBatchInvariantError if the bundle has none). ``prefill_chunk`` (default 512)
         bounds the prompt tokens one prefill call takes; ``max_queue`` bounds requests waiting for a
         row (QueueFullError beyond; default unbounded); ``max_batch`` caps the sessions one decode
         step takes (1 interleaves sessions one step each, the unbatched baseline).
@@ -144,8 +161,8 @@ class Engine:
         store = WeightStore(dev)
         engine = None
         try:
-            for name, spec in manifest.methods.items():
-                methods[name] = Method(spec, bundle.package_path(name), dev)
+            for name in methods_to_load(manifest, deterministic, Path(bundle_dir)):
+                methods[name] = Method(manifest.methods[name], bundle.package_path(name), dev)
             store.load(bundle, {f for m in methods.values() if not m.embeds_weights for f in m.weight_fqns})
             for m in methods.values():
                 m.bind_weights(store)
@@ -205,10 +222,10 @@ class Engine:
         if decode_buckets is not None and (not decode_buckets or min(decode_buckets) < 1 or max(decode_buckets) > rows):
             raise InputError(f"decode_buckets must be batch sizes in 1..{rows} (the pool's rows), got {list(decode_buckets)}")
         buckets = sorted(set(decode_buckets)) if decode_buckets else default_buckets(rows)
-        if decode_buckets and max(buckets) < rows and not deterministic:
+        if decode_buckets and max(buckets) < rows:
             buckets.append(rows)  # a step of every session must fit some graph
         if decode is not None:
-            self._step = DecodeStep(decode, self._pool, self.workspace, deterministic=deterministic, buckets=buckets)
+            self._step = DecodeStep(decode, self._pool, self.workspace, buckets=buckets, pad=decode_buckets is not None)
             use_graphs = self.device.type == "cuda" and not decode.embeds_weights if cuda_graphs is None else cuda_graphs
             if use_graphs:
                 self._step.graphs = DecodeGraphs(decode.spec, self.path / decode.spec.package, self.device, self._store,

@@ -87,5 +87,5 @@ class MemoryReport:
         w = max(len(k) for k, _ in rows)
         lines = [f"{k:<{w}}  {v:>14}" for k, v in rows] + [f"pool sizing: {self.pool_sizing}"]
         if self.deterministic:
-            lines.append("deterministic: every decode step runs at the full pool size")
+            lines.append("deterministic: the batch-invariant decode (a session's bits never depend on its neighbours)")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])

@@ -210,6 +210,7 @@ class SchedulerStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     decode_steps: int = 0
+    decode_rows: int = 0  # sessions decoded, summed over the steps (rows / steps: the mean batch)
     prefill_chunks: int = 0
 
 
@@ -440,6 +441,7 @@ class Scheduler:
                 eng._set_last_tokens([row for row, _ in fed], [t for _, t in fed])
             logits = eng._decode([r.session.row for r in step], [r.session.position for r in step])
             self.stats.decode_steps += 1
+            self.stats.decode_rows += len(step)
             for r in step:
                 r.session.position += 1
                 if r.reading_prompt:

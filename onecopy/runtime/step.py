@@ -1,12 +1,10 @@
 """The batched decode step: one call of the decode method for any set of sessions' rows.
 
-Policies:
-- default: the batch is the sessions in the step, padded to the next captured bucket (CUDA
-  graphs) or run at its exact size (eager);
-- deterministic: every step runs at the full pool size with each session at the batch index of
-  its own row, so a row's arithmetic (kernel choice, tile position) never depends on who else is
-  in the step (batch invariance).
-Padding entries point at the scratch row: they can never write a live session.
+The batch is the sessions in the step, padded to the next bucket (always with CUDA graphs, one per
+bucket; eagerly only when the engine was given ``decode_buckets``) or run at its exact size. Padding entries point at the scratch row: they can never write a live session.
+Which decode method runs decides what a session's numbers may depend on: a batch-invariant one (a
+deterministic engine's, every CPU decode) gives each row the same bits whatever the batch
+(`models.invariant`), so no step needs padding to a fixed size for that.
 """
 
 from __future__ import annotations
@@ -34,11 +32,11 @@ def default_buckets(rows: int) -> list[int]:
 class DecodeStep:
     """Runs decode for (row, token, position) entries; the static inputs live in the workspace."""
 
-    def __init__(self, method: Method, pool: StatePool, workspace: Workspace, *, deterministic: bool,
-                 buckets: list[int]) -> None:
-        self.method, self.pool, self.deterministic = method, pool, deterministic
+    def __init__(self, method: Method, pool: StatePool, workspace: Workspace, *, buckets: list[int],
+                 pad: bool = False) -> None:
+        self.method, self.pool, self.pad = method, pool, pad
         self.device = pool.device
-        self.buckets = [pool.rows] if deterministic else sorted(set(buckets))
+        self.buckets = sorted(set(buckets))
         width = max(self.buckets)
         self.tokens = workspace.get("decode.tokens", (width, 1), torch.long, self.device, zero=True)
         self.positions = workspace.get("decode.input_pos", (width,), torch.long, self.device, zero=True)
@@ -55,9 +53,7 @@ class DecodeStep:
 
     def batch_size(self, n: int) -> int:
         """The batch a step of ``n`` sessions runs at."""
-        if self.deterministic:
-            return self.pool.rows
-        if self.graphs is not None:
+        if self.graphs is not None or self.pad:
             return self.buckets[bisect.bisect_left(self.buckets, n)]
         return n
 
@@ -71,24 +67,16 @@ class DecodeStep:
         rows_pos = to_device(torch.tensor([rows, positions], dtype=torch.long), self.device)
         if tokens is None:
             tokens = self.last_token.index_select(0, rows_pos[0])
-        if self.deterministic:
-            self.rows.fill_(self.pool.scratch)
-            self.positions.zero_()
-            self.tokens.zero_()
-            self.rows.index_copy_(0, rows_pos[0], rows_pos[0])
-            self.positions.index_copy_(0, rows_pos[0], rows_pos[1])
-            self.tokens[:, 0].index_copy_(0, rows_pos[0], tokens)
-        else:
-            self.rows[:n].copy_(rows_pos[0])
-            self.positions[:n].copy_(rows_pos[1])
-            self.tokens[:n, 0].copy_(tokens)
-            if b > n:
-                self.rows[n:b].fill_(self.pool.scratch)
-                self.positions[n:b].zero_()
-                self.tokens[n:b].zero_()
+        self.rows[:n].copy_(rows_pos[0])
+        self.positions[:n].copy_(rows_pos[1])
+        self.tokens[:n, 0].copy_(tokens)
+        if b > n:
+            self.rows[n:b].fill_(self.pool.scratch)
+            self.positions[n:b].zero_()
+            self.tokens[n:b].zero_()
         if self.graphs is not None:
             out = self.graphs.replay(b)
         else:
             with torch.inference_mode():
                 out = self.method(*self.inputs(b))
-        return out.index_select(0, rows_pos[0]) if self.deterministic else out[:n]
+        return out[:n]

@@ -1,0 +1,78 @@
+"""Batch-invariant decode: a row's arithmetic never depends on the batch it runs in.
+
+A decode step's rows are sessions. For a session's logits, tokens and state to be the same whoever
+shares its step (and wherever its row sits), every reduction of the step must take each row in an
+order fixed by that row alone. Norms, RoPE and the attention kernels already do (attention splits a
+row by its own length); linear layers do not: the CPU BLAS picks its blocking by M and a row's result
+changes with M and with where the row falls in it (seen on AVX2 and AVX-512 machines), and cuBLAS
+picks kernels by M. A decode method traced under `BatchInvariant` gets linear layers that are
+invariant by construction:
+
+- CPU: a mul + sum reduction over K that Inductor compiles into one kernel, parallel over the output
+  features, each output reducing its row's K in one fixed vectorised order (as fast as the BLAS GEMM
+  for a few rows: the weight row stays in cache while every batch row uses it);
+- CUDA: `kernels.small_linear` for every batch size with one BLOCK_N and BLOCK_K (each row's K order
+  fixed, no split-K): 16 rows per program up to 16 rows, 64 past that (a row gets the same bits from
+  either tile: tests/gpu).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
+from . import kernels
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` whose every output row depends on its input row alone (see the module docstring)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.is_cuda and kernels.available():
+        kernels.register()
+
+        def few(block_m: int):
+            return lambda r, w: kernels.small_linear(r, w, block_m=block_m, invariant=True)[0]
+
+        if kernels.INVARIANT_SMALL_PROGRAMS:
+            y = torch.cond(rows.shape[0] <= kernels.SMALL_LINEAR_ROWS, few(kernels.SMALL_LINEAR_ROWS),
+                           few(kernels.INVARIANT_ROWS), (rows, weight))
+        else:
+            y = few(kernels.INVARIANT_ROWS)(rows, weight)
+    else:  # [N, 1, K] * [1, M, K] summed over K: the output features are the outer (parallel) loop
+        y = (weight[:, None, :] * rows[None, :, :]).sum(-1).t()
+    y = y.reshape(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias
+
+
+class BatchInvariant(TorchFunctionMode):
+    """While active (tracing a decode method), ``F.linear`` (every ``nn.Linear``) is `linear_rows`."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            return linear_rows(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def active() -> bool:
+    """True while a method is being traced under `BatchInvariant`."""
+    return any(isinstance(m, BatchInvariant) for m in _get_current_function_mode_stack())
+
+
+def invariant_method(module: nn.Module) -> nn.Module:
+    """A shallow view of ``module`` (same parameters, same FQNs) whose forward runs under `BatchInvariant`."""
+    forward = type(module).forward
+
+    @functools.wraps(forward)  # export reads the inputs' names from the signature
+    def invariant_forward(self, *args: torch.Tensor) -> torch.Tensor:
+        with BatchInvariant():
+            return forward(self, *args)
+
+    view = copy.copy(module)
+    view.__class__ = type(f"{type(module).__name__}_invariant", (type(module),), {"forward": invariant_forward})
+    return view

@@ -1,0 +1,84 @@
+"""Deterministic means batch-invariant: a session's logits, tokens and state never depend on its row,
+the pool size, the batch size of a step or the sessions beside it (on any CPU: CI runs this file a
+second time with the ISA forced down to AVX2)."""
+
+import json
+
+import pytest
+import torch
+
+import onecopy
+from onecopy.errors import NotBatchInvariantError
+
+from .conftest import copy_bundle
+from .invariance import assert_invariant
+
+SAMPLED = onecopy.SamplingParams(temperature=0.8, top_k=50, seed=11, max_new_tokens=16)
+NEIGHBOURS = [([5, 9, 33, 2], onecopy.SamplingParams(max_new_tokens=20)),
+              ([300, 301], onecopy.SamplingParams(temperature=1.1, seed=3, max_new_tokens=20)),
+              ([7, 7, 7, 250, 1, 19, 40, 41], onecopy.SamplingParams(max_new_tokens=20, repetition_penalty=1.3))]
+PROMPT = [11, 22, 33, 44, 55, 66, 77]
+
+
+def test_cpu_bundles_have_only_a_batch_invariant_decode(tiny_bundle):
+    manifest = onecopy.bundle.read_manifest(tiny_bundle)
+    decodes = {n: m.batch_invariant for n, m in manifest.methods.items() if m.role == "decode"}
+    assert decodes == {"decode": True}
+
+
+def test_decode_method_is_batch_invariant(tiny_bundle):
+    """Logits and the state row of one session, bit for bit: alone at row 0 of a 3-row pool vs row 5 of 8
+    (batch index 5 of 8, 0 of 1, 1 of 2, 5 of 6), row 17 of 24 and row 5 of 70 among neighbours."""
+    with onecopy.Engine.load(tiny_bundle, max_sessions=2, deterministic=True) as engine:
+        assert_invariant(engine)
+
+
+@pytest.mark.slow
+def test_decode_method_is_batch_invariant_smollm2(smollm2_bundle):
+    with onecopy.Engine.load(smollm2_bundle, max_sessions=2, deterministic=True) as engine:
+        assert_invariant(engine, token=504, position=30)
+
+
+def test_whisper_decoder_is_batch_invariant(whisper_bundle):
+    with onecopy.Engine.load(whisper_bundle, max_sessions=2, deterministic=True) as engine:
+        assert_invariant(engine, token=50257, position=3)
+
+
+def _alone(bundle, pool_rows: int) -> tuple[list[int], dict[str, torch.Tensor]]:
+    with onecopy.Engine.load(bundle, max_sessions=pool_rows, deterministic=True, prefill_chunk=3) as engine:
+        with engine.open_session() as s:
+            assert s.row == 0
+            ids = s.submit(PROMPT, SAMPLED, stop_ids=[]).result(timeout=120)
+            return ids, {k: v.clone() for k, v in s.state.items()}
+
+
+@pytest.mark.parametrize("neighbours", [False, True], ids=["idle-neighbours", "generating-neighbours"])
+def test_a_session_at_row_5_of_8_equals_itself_at_row_0_of_3(tiny_bundle, neighbours):
+    """Through the scheduler: tokens and every byte of the state row, bit for bit, whether the five rows
+    before it are idle or three of them generate in the same steps."""
+    ids, state = _alone(tiny_bundle, 3)
+    with onecopy.Engine.load(tiny_bundle, max_sessions=8, deterministic=True, prefill_chunk=3) as engine:
+        others = [engine.open_session() for _ in range(5)]
+        s = engine.open_session()
+        assert s.row == 5
+        streams = [o.submit(p, sp, stop_ids=[]) for o, (p, sp) in zip(others, NEIGHBOURS)] if neighbours else []
+        got = s.submit(PROMPT, SAMPLED, stop_ids=[]).result(timeout=120)
+        for st in streams:
+            st.result(timeout=120)
+        assert got == ids
+        for k, v in s.state.items():
+            assert torch.equal(v, state[k]), k
+        if neighbours:
+            assert engine.scheduler.stats.decode_rows > engine.scheduler.stats.decode_steps  # steps were shared
+
+
+def test_deterministic_refuses_a_bundle_without_a_batch_invariant_decode(tiny_bundle, tmp_path):
+    """An older bundle (its decode not batch-invariant) loads by default; deterministic is refused, typed."""
+    bundle = copy_bundle(tiny_bundle, tmp_path / "old")
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["methods"]["decode"].pop("batch_invariant")
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    with onecopy.Engine.load(bundle) as engine:
+        assert engine.role_method("decode") == "decode"
+    with pytest.raises(NotBatchInvariantError, match="no batch-invariant decode method.*deterministic=False"):
+        onecopy.Engine.load(bundle, deterministic=True)
