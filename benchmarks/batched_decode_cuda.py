@@ -7,6 +7,8 @@ Usage (on a CUDA machine, from the repository root):
 For S = 1, 4, 16, 64 concurrent sessions, each with its own 1024-token prompt and 256 new tokens
 (greedy, no early stop), in one process on the same weights:
 - onecopy batched: the scheduler decodes every session in one step (CUDA graph per batch size);
+- onecopy deterministic: the same with a deterministic engine (the batch-invariant decode: a
+  session's tokens never depend on its neighbours), loaded after the default engine is closed;
 - onecopy unbatched: the same engine code with max_batch=1 (one session per step, interleaved:
   what onecopy did before batching);
 - transformers: `generate_batch` (continuous batching, paged attention) on the engine's own weight
@@ -110,7 +112,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--sessions", default="1,4,16,64")
-    ap.add_argument("--modes", default="batched,unbatched,transformers")
+    ap.add_argument("--modes", default="batched,unbatched,transformers", help="also: deterministic")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     counts = [int(x) for x in a.sessions.split(",")]
@@ -140,6 +142,11 @@ def main() -> None:
     run_onecopy(engine, prompts[counts[0]][:1], 8)  # warm-up: prefill kernels, sampler
     for mode in modes:
         res["results"][mode] = {}
+        if mode == "deterministic":  # its own engine, alone on the device
+            engine.close()
+            engine = onecopy.Engine.load(bundle, "cuda", max_sessions=max(counts), deterministic=True)
+            res["deterministic_decode_method"] = engine.role_method("decode")
+            run_onecopy(engine, prompts[counts[0]][:1], 8)
         if mode == "transformers":
             try:
                 model = transformers_model(engine)
@@ -161,6 +168,10 @@ def main() -> None:
             Path(a.out).write_text(json.dumps(res, indent=1))
     engine.scheduler.max_batch = None
     base = res["results"].get("batched", {})
+    det = res["results"].get("deterministic", {})
+    res["deterministic_vs_default_decode"] = {s: round(v["decode_tok_s"] / base[s]["decode_tok_s"], 3)
+                                              for s, v in det.items()
+                                              if v.get("decode_tok_s") and base.get(s, {}).get("decode_tok_s")}
     solo = base.get(str(counts[0]), {}).get("decode_tok_s")
     if solo:
         res["batched_speedup_vs_1_session"] = {s: round(v["decode_tok_s"] / solo, 2) for s, v in base.items()

@@ -83,11 +83,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M (more than 16: row blocks)")
+    ap.add_argument("--block-m", type=int, default=kernels.SMALL_LINEAR_ROWS,
+                    help="rows per program: 16, or 64 (four 16-row tiles sharing each weight tile)")
+    ap.add_argument("--chosen-only", action="store_true", help="time only the tiles small_linear_tiles picks")
     a = ap.parse_args()
+    rows = [int(m) for m in a.rows.split(",")]
     torch.manual_seed(0)
     dt = torch.bfloat16
     copy_gbps = copy_bandwidth() / 1e9
-    res = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(),
+    res = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(), "block_m": a.block_m,
            "torch": torch.__version__, "copy_GBps": round(copy_gbps, 1), "rows": [], "best_tiles": {}}
     print("copy GB/s", round(copy_gbps, 1), flush=True)
     for name in a.shapes.split(","):
@@ -96,7 +101,8 @@ def main() -> None:
         copies = max(2, math.ceil(512e6 / nbytes))
         ws = [torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5 for _ in range(copies)]
         wins: dict[tuple, float] = {}
-        for m in ROWS:
+        chosen = kernels.small_linear_tiles(n // 2 if glu else n, glu)
+        for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=dt)
             r = torch.randn(m, n // 2 if glu else n, device="cuda", dtype=dt) if residual else None
             ref = torch_chain(x.double(), ws[0].double(), None if r is None else r.double(), glu)
@@ -104,12 +110,12 @@ def main() -> None:
                    "weight_MB": round(nbytes / 1e6, 1), "copies": copies}
             ms = graph_ms([functools.partial(torch_chain, x, w, r, glu) for w in ws])
             row["cublas_ms"], row["cublas_GBps"] = round(ms, 5), round(nbytes / ms / 1e6, 1)
-            for tiles in TILES:
+            for tiles in [chosen] if a.chosen_only else TILES:
                 label = f"triton {tiles}"
                 try:
-                    out = kernels.launch_linear(x, ws[0], r, glu, tiles)[0]
+                    out = kernels.launch_linear(x, ws[0], r, glu, tiles, block_m=a.block_m)[0]
                     err = float((out.double() - ref).norm() / ref.norm())
-                    ms = graph_ms([functools.partial(kernels.launch_linear, x, w, r, glu, tiles) for w in ws])
+                    ms = graph_ms([functools.partial(kernels.launch_linear, x, w, r, glu, tiles, block_m=a.block_m) for w in ws])
                 except Exception as e:  # noqa: BLE001  a tile that does not fit: record and go on
                     row[label] = repr(e)[:100]
                     continue
@@ -118,7 +124,6 @@ def main() -> None:
                     continue
                 row[f"{label} ms"] = round(ms, 5)
                 wins[tiles] = wins.get(tiles, 0.0) + ms * (4 if m == 1 else 1)  # batch 1 weighs most
-            chosen = kernels.small_linear_tiles(n // 2 if glu else n, glu)
             best = min((v, key) for key, v in row.items() if key.startswith("triton") and key.endswith(" ms"))
             row["best"], row["best_ms"] = best[1][7:-3], best[0]
             row["best_GBps"], row["best_vs_cublas"] = round(nbytes / best[0] / 1e6, 1), round(row["cublas_ms"] / best[0], 3)

@@ -72,9 +72,10 @@ def _alone(engine, prompt, params):
 
 
 def test_deterministic_concurrent_sessions_with_graphs_equal_solo(cuda_bundle):
-    """Sessions joining and leaving mid-run, batched in one fixed-size graph: bit-identical to each alone."""
+    """Sessions joining and leaving mid-run, batched in graphs of 1 to 8 rows by the batch-invariant decode:
+    bit-identical to each alone."""
     with onecopy.Engine.load(cuda_bundle, "cuda", max_sessions=8, deterministic=True, prefill_chunk=16) as engine:
-        assert engine.graph_buckets == [8]
+        assert engine.graph_buckets == [1, 2, 4, 8] and engine.role_method("decode") == "decode_invariant"
         solo = {k: _alone(engine, p, sp) for k, (p, sp) in REQUESTS.items()}
         sessions = {k: engine.open_session() for k in REQUESTS}
         streams = {k: sessions[k].submit(*REQUESTS[k], stop_ids=[]) for k in ("short", "sampled", "long", "early")}
@@ -86,6 +87,23 @@ def test_deterministic_concurrent_sessions_with_graphs_equal_solo(cuda_bundle):
             assert stream.result(timeout=120) == solo[k][0], k
             for fqn, t in sessions[k].state.items():
                 assert torch.equal(t, solo[k][1][fqn]), (k, fqn)
+
+
+def test_cuda_bundles_have_a_fast_and_a_batch_invariant_decode(cuda_bundle):
+    manifest = onecopy.bundle.read_manifest(cuda_bundle)
+    assert {n: m.batch_invariant for n, m in manifest.methods.items() if m.role == "decode"} == {
+        "decode": False, "decode_invariant": True}
+    with onecopy.Engine.load(cuda_bundle, "cuda", max_sessions=2, cuda_graphs=False) as engine:
+        assert engine.role_method("decode") == "decode" and "decode_invariant" not in engine.methods
+
+
+def test_invariant_decode_is_batch_invariant_on_cuda(cuda_bundle):
+    """Logits and state row of one session, bit for bit, at row 0 of 3 alone and at row 5 of 8 (batch index
+    0 of 1, 1 of 2, 5 of 8, 5 of 6), row 17 of 24 and row 5 of 70 (two 64-row blocks) among neighbours."""
+    from ..invariance import assert_invariant
+
+    with onecopy.Engine.load(cuda_bundle, "cuda", max_sessions=2, deterministic=True, cuda_graphs=False) as engine:
+        assert_invariant(engine)
 
 
 def test_padding_in_graphs_never_touches_free_rows(cuda_bundle):
@@ -306,3 +324,49 @@ def test_small_linear_kernel_matches_float64():
         assert out.shape == ref.shape and err < 1e-2, (m, n, k, glu, res, norm, err)
         assert ss.shape == (m, kernels.small_linear_programs(out.shape[1], glu)) and ss.dtype == torch.float32
         torch.testing.assert_close(ss.sum(-1), sum_of_squares(out)[:, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_small_linear_rows_are_independent_of_the_batch():
+    """A row's output and partial sums, bit for bit, at any batch size (1 to 130) and any index in it, with
+    16 rows per program (up to 16 rows) and 64: the same as that row alone; and with the batch-invariant
+    decode's tiles a row's output is the same from a 64-row program as from a 16-row one (its partial
+    sums are not: the invariant decode does not fold norms). Plain, norm folded in, SwiGLU, residual."""
+    from onecopy.models import kernels
+    from onecopy.models.projections import sum_of_squares
+
+    kernels.register()
+    torch.manual_seed(1)
+    for n, k, glu, res, norm in ((6144, 4096, False, False, True), (2 * 1000, 4096, True, False, True),
+                                 (4096, 14336, False, True, False), (130, 72, False, True, True),
+                                 (128256, 4096, False, False, False)):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        g = 1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16)
+        x0 = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        r0 = torch.randn(1, n // 2 if glu else n, device="cuda", dtype=torch.bfloat16) if res else None
+
+        def parts_of(x):  # the partial sums a producing kernel hands over, split over 5 programs
+            return torch.stack([sum_of_squares(c)[:, 0] for c in x.chunk(5, dim=1)], dim=1)
+
+        def run(x, parts, r, block_m, inv):
+            return kernels.small_linear(x, w, r, glu, norm=(g, parts, 1e-5) if norm else None, block_m=block_m,
+                                        invariant=inv)
+
+        p0 = parts_of(x0)
+        for inv, block_m, sizes in ((False, kernels.SMALL_LINEAR_ROWS, (1, 2, 7, 16)),
+                                    (True, kernels.SMALL_LINEAR_ROWS, (1, 2, 7, 16)),
+                                    (True, kernels.INVARIANT_ROWS, (1, 2, 16, 17, 64, 65, 130))):
+            ref_ss = run(x0, p0, r0, block_m, inv)[1]  # sums: reduced in an order that depends on block_m
+            if block_m == kernels.SMALL_LINEAR_ROWS or not kernels.INVARIANT_SMALL_PROGRAMS:
+                ref = run(x0, p0, r0, block_m, inv)[0]  # else: the invariant 16-row program's rows
+            for m in sizes:
+                for i in sorted({0, m // 2, m - 1}):
+                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                    x[i] = x0[0]
+                    r = None
+                    if res:
+                        r = torch.randn(m, r0.shape[1], device="cuda", dtype=torch.bfloat16)
+                        r[i] = r0[0]
+                    parts = parts_of(x)
+                    parts[i] = p0[0]
+                    out, ss = run(x, parts, r, block_m, inv)
+                    assert torch.equal(out[i], ref[0]) and torch.equal(ss[i], ref_ss[0]), (inv, block_m, n, k, m, i)

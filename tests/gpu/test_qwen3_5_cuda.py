@@ -34,3 +34,9 @@ def test_graph_decode_equals_eager_bit_for_bit(preset, tmp_path):
     for k in se:
         assert torch.equal(se[k], sg[k]), (preset, k)
     assert ie == ig
+    # The deterministic engine's decode: logits and every state row bit for bit wherever the session sits.
+    from ..invariance import assert_invariant
+
+    with onecopy.Engine.load(bundle, "cuda", max_sessions=2, deterministic=True, cuda_graphs=False) as engine:
+        assert engine.role_method("decode") == "decode_invariant"
+        assert_invariant(engine)

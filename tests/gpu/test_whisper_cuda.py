@@ -36,3 +36,11 @@ def test_transcribes_on_cuda_with_one_host_copy_per_token(whisper_cuda):
            and ("DtoH" in e.name or "Device -> Host" in e.name)]
     assert len(d2h) == len(first.window_tokens[0]) + 1  # each generated id, and the final eos
     print("transcript:", first.text, "| tokens:", len(first.window_tokens[0]), "| DtoH copies:", len(d2h))
+
+
+def test_invariant_decoder_is_batch_invariant_on_cuda(whisper_cuda):
+    from ..invariance import assert_invariant
+
+    with onecopy.Engine.load(whisper_cuda.path, "cuda", max_sessions=2, deterministic=True, cuda_graphs=False) as engine:
+        assert engine.role_method("decode") == "decoder_invariant"
+        assert_invariant(engine, token=50257, position=3)
