@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M (more than 16: row blocks)")
     ap.add_argument("--block-m", type=int, default=kernels.SMALL_LINEAR_ROWS,
-                    help="rows per program: 16, or 64 (four 16-row tiles sharing each weight tile)")
+                    help="rows per program: 16, or 64 (the batch-invariant decode past 16 rows)")
     ap.add_argument("--chosen-only", action="store_true", help="time only the tiles small_linear_tiles picks")
     a = ap.parse_args()
     rows = [int(m) for m in a.rows.split(",")]
@@ -101,7 +101,8 @@ def main() -> None:
         copies = max(2, math.ceil(512e6 / nbytes))
         ws = [torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5 for _ in range(copies)]
         wins: dict[tuple, float] = {}
-        chosen = kernels.small_linear_tiles(n // 2 if glu else n, glu)
+        wide = a.block_m > kernels.SMALL_LINEAR_ROWS  # the batch-invariant decode's tiles
+        chosen = kernels.small_linear_tiles(n // 2 if glu else n, glu, invariant=wide)
         for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=dt)
             r = torch.randn(m, n // 2 if glu else n, device="cuda", dtype=dt) if residual else None

@@ -15,8 +15,8 @@ query block's last position are never visited, so a fresh prompt costs half a fu
 On CPU the exported methods use `attention.chunk_attention` instead.
 
 `small_linear`: ``x @ weight.T`` for a decode step's rows, one program per `BLOCK_N` output features and
-block of `SMALL_LINEAR_ROWS` rows streaming their weight rows once (the row blocks of one weight tile
-run side by side and share it through L2), with the elementwise
+block of rows (`SMALL_LINEAR_ROWS`; `INVARIANT_ROWS` in the batch-invariant decode past that many)
+streaming their weight rows once, with the elementwise
 work after it folded in: SwiGLU of a fused gate/up weight (``glu``) or a residual add, and the
 RMSNorm before it. A norm needs its row's sum of squares before any program can start, and every
 program redoing that reduction cost more than a separate norm kernel on the H200; so each kernel also

@@ -200,6 +200,6 @@ class Whisper(nn.Module):
         encoder = MethodDef(as_method(self, Whisper.encode), (mel, torch.zeros(1, dtype=torch.long, device=device)) + pools,
                             ({}, {}, pool_dims), [InputSpec("mel", dtype_name(self.dtype), [1, cfg.n_mels, N_FRAMES])],
                             "encode", cross)
-        decoder = pooled_methods(specs, max_seq_len, device, {"decoder": (as_method(self, Whisper.decode), "decode")},
-                                 [0, cfg.vocab_size])["decoder"]
-        return {"encoder": encoder, "decoder": decoder}
+        decoders = pooled_methods(specs, max_seq_len, device, {"decoder": (as_method(self, Whisper.decode), "decode")},
+                                  [0, cfg.vocab_size])  # on CUDA also decoder_invariant
+        return {"encoder": encoder, **decoders}
