@@ -38,11 +38,8 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         def few(block_m: int):
             return lambda r, w: kernels.small_linear(r, w, block_m=block_m, invariant=True)[0]
 
-        if kernels.INVARIANT_SMALL_PROGRAMS:
-            y = torch.cond(rows.shape[0] <= kernels.SMALL_LINEAR_ROWS, few(kernels.SMALL_LINEAR_ROWS),
-                           few(kernels.INVARIANT_ROWS), (rows, weight))
-        else:
-            y = few(kernels.INVARIANT_ROWS)(rows, weight)
+        y = torch.cond(rows.shape[0] <= kernels.SMALL_LINEAR_ROWS, few(kernels.SMALL_LINEAR_ROWS),
+                       few(kernels.INVARIANT_ROWS), (rows, weight))
     else:  # [N, 1, K] * [1, M, K] summed over K: the output features are the outer (parallel) loop
         y = (weight[:, None, :] * rows[None, :, :]).sum(-1).t()
     y = y.reshape(*x.shape[:-1], weight.shape[0])

@@ -50,11 +50,10 @@ SMALL_LINEAR_ROWS = 16
 # reads the 8B shape's weights as fast as cuBLAS (0.9-1.25x per projection, benchmarks/gemv_cuda.py
 # --block-m 64, benchmarks/results/gemv_bm64_h200.json); programs of 16 rows re-read them (0.43-0.66x,
 # gemv_rows16_h200.json), and so did four 16-row dots per program (gemv_sub4_h200.json).
+# Up to SMALL_LINEAR_ROWS rows it keeps 16-row programs (faster for a few rows): a row gets the same bits
+# from a 16-row and a 64-row tile with the same BLOCK_N and BLOCK_K (only its partial sums of squares
+# differ: tests/gpu/test_cuda.py::test_small_linear_rows_are_independent_of_the_batch).
 INVARIANT_ROWS = 64
-# Whether the batch-invariant decode serves up to SMALL_LINEAR_ROWS rows with 16-row programs (faster for a
-# few rows): allowed only because a row's bits are the same from a 16-row and a 64-row tile with the same
-# BLOCK_N and BLOCK_K (tests/gpu/test_cuda.py::test_small_linear_rows_are_independent_of_the_batch).
-INVARIANT_SMALL_PROGRAMS = True
 SMEM_BUDGET = 200 * 1024  # bytes of shared memory the small-linear pipeline may take (H100/H200: 227 KiB)
 # An RMSNorm folded into small_linear: (weight, partial sums of squares of each row [M, P], eps).
 Norm = tuple[torch.Tensor, torch.Tensor, float]
