@@ -20,10 +20,13 @@ NEIGHBOURS = [([5, 9, 33, 2], onecopy.SamplingParams(max_new_tokens=20)),
 PROMPT = [11, 22, 33, 44, 55, 66, 77]
 
 
-def test_cpu_bundles_have_only_a_batch_invariant_decode(tiny_bundle):
+def test_bundles_have_a_fast_and_a_batch_invariant_decode_and_engines_load_one(tiny_bundle):
     manifest = onecopy.bundle.read_manifest(tiny_bundle)
     decodes = {n: m.batch_invariant for n, m in manifest.methods.items() if m.role == "decode"}
-    assert decodes == {"decode": True}
+    assert decodes == {"decode": False, "decode_invariant": True}
+    for deterministic, name in ((False, "decode"), (True, "decode_invariant")):
+        with onecopy.Engine.load(tiny_bundle, max_sessions=2, deterministic=deterministic) as engine:
+            assert engine.role_method("decode") == name and engine.methods == ["prefill", name]
 
 
 def test_decode_method_is_batch_invariant(tiny_bundle):
@@ -73,10 +76,10 @@ def test_a_session_at_row_5_of_8_equals_itself_at_row_0_of_3(tiny_bundle, neighb
 
 
 def test_deterministic_refuses_a_bundle_without_a_batch_invariant_decode(tiny_bundle, tmp_path):
-    """An older bundle (its decode not batch-invariant) loads by default; deterministic is refused, typed."""
+    """A bundle without a batch-invariant decode loads by default; deterministic is refused, typed."""
     bundle = copy_bundle(tiny_bundle, tmp_path / "old")
     manifest = json.loads((bundle / "manifest.json").read_text())
-    manifest["methods"]["decode"].pop("batch_invariant")
+    manifest["methods"]["decode_invariant"].pop("batch_invariant")  # as an older onecopy wrote it
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     with onecopy.Engine.load(bundle) as engine:
         assert engine.role_method("decode") == "decode"

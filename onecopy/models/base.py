@@ -78,9 +78,8 @@ def pooled_methods(specs: dict[str, tuple[list[int], torch.dtype]], max_seq_len:
                    prefill_context: bool = False) -> dict[str, MethodDef]:
     """MethodDefs for token methods of the two standard roles, every state pool passed to each.
 
-    A decode method is batch-invariant (`invariant`). On CPU that is the only decode. On CUDA it is
-    ``<name>_invariant`` (for deterministic engines), beside ``<name>``, which takes cuBLAS for more
-    than a few rows (faster at 17 to 64 rows, not invariant).
+    A decode method comes twice: ``<name>`` (the fastest: the BLAS GEMM on CPU, cuBLAS past a few rows
+    on CUDA) and ``<name>_invariant`` (batch-invariant, `invariant`; for deterministic engines).
     decode(tokens[B, 1], input_pos[B], rows[B], *pools); prefill(tokens[1, T], input_pos[T], rows[1], *pools),
     or with ``prefill_context`` prefill(tokens[1, T], input_pos[T], context[L], rows[1], *pools) where
     ``context`` is arange(L), L = the chunk's last position + 1: its length, a dynamic dim, lets the
@@ -115,12 +114,8 @@ def pooled_methods(specs: dict[str, tuple[list[int], torch.dtype]], max_seq_len:
                 inputs.append(InputSpec("context", "int64", [dyn], positions))
         else:
             raise ValueError(f"pooled_methods makes decode and prefill methods, not {role!r}")
-        if role == "decode":
-            invariant = MethodDef(invariant_method(module), args + pools, shapes + (pool_dims,), inputs, role, fqns,
-                                  batch_invariant=True)
-            if device == "cpu":
-                out[name] = invariant
-                continue
-            out[f"{name}_invariant"] = invariant
         out[name] = MethodDef(module, args + pools, shapes + (pool_dims,), inputs, role, fqns)  # *pools: one entry
+        if role == "decode":
+            out[f"{name}_invariant"] = MethodDef(invariant_method(module), args + pools, shapes + (pool_dims,), inputs,
+                                                 role, fqns, batch_invariant=True)
     return out
