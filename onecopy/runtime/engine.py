@@ -134,8 +134,8 @@ class Engine:
         bucket with graphs, and eagerly too when ``decode_buckets`` is given. ``deterministic`` loads the
         bundle's batch-invariant decode (`models.invariant`): a session's logits, tokens and state are
         then the same bit for bit whatever its row, the pool size and the sessions sharing its steps
-        (CPU bundles have only that decode; CUDA bundles also a faster one for 17+ rows, the default;
-        NotBatchInvariantError if the bundle has none). ``prefill_chunk`` (default 512)
+        (bundles also carry a faster decode, the default: the BLAS GEMM on CPU, cuBLAS past 16 rows on
+        CUDA; NotBatchInvariantError if the bundle has no batch-invariant one). ``prefill_chunk`` (default 512)
         bounds the prompt tokens one prefill call takes; ``max_queue`` bounds requests waiting for a
         row (QueueFullError beyond; default unbounded); ``max_batch`` caps the sessions one decode
         step takes (1 interleaves sessions one step each, the unbatched baseline).

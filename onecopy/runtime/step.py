@@ -1,9 +1,10 @@
 """The batched decode step: one call of the decode method for any set of sessions' rows.
 
 The batch is the sessions in the step, padded to the next bucket (always with CUDA graphs, one per
-bucket; eagerly only when the engine was given ``decode_buckets``) or run at its exact size. Padding entries point at the scratch row: they can never write a live session.
-Which decode method runs decides what a session's numbers may depend on: a batch-invariant one (a
-deterministic engine's, every CPU decode) gives each row the same bits whatever the batch
+bucket; eagerly only when the engine was given ``decode_buckets``) or run at its exact size.
+Padding entries point at the scratch row: they can never write a live session.
+Which decode method runs decides what a session's numbers may depend on: the batch-invariant one (a
+deterministic engine's) gives each row the same bits whatever the batch
 (`models.invariant`), so no step needs padding to a fixed size for that.
 """
 
