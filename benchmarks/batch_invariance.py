@@ -7,9 +7,11 @@ Usage (from the repository root; CPU or CUDA):
 
 Each of max(S) prompts (chat questions for SmolLM2; random token ids with --random-prompts) runs
 alone, greedy, 64 tokens with no early stop; then the first S run at once through the scheduler,
-once per S. In the default mode (on CUDA: the fastest decode, cuBLAS past 16 rows) and in
-deterministic mode (the batch-invariant decode). Reported per mode and S: token-for-token match
-rate with the solo tokens, sequences identical end to end, the first divergent positions.
+once per S. In the default mode (the fastest decode: BLAS on CPU, cuBLAS past 16 rows on CUDA) and in
+deterministic mode (CUDA: the batch-invariant decode, batched; CPU: the decode one row per call).
+Reported per mode and S: token-for-token match rate with the solo tokens, sequences identical end
+to end, the first divergent positions, and the batched run's generated tokens per second (wall
+clock from submit to the last result, prefill included), which gives deterministic mode's cost.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -55,14 +58,17 @@ def run(bundle: Path, device: str, deterministic: bool, sessions: list[int], tok
         out = {"deterministic": deterministic, "decode_method": engine.role_method("decode"), "by_sessions": {}}
         for s in sessions:
             steps, rows = engine.scheduler.stats.decode_steps, engine.scheduler.stats.decode_rows
+            t0 = time.perf_counter()
             streams = [engine.submit(p, params, stop_ids=[]) for p in prompts[:s]]
             batched = [st.result(timeout=900) for st in streams]
+            seconds = time.perf_counter() - t0
             mean_batch = (engine.scheduler.stats.decode_rows - rows) / max(engine.scheduler.stats.decode_steps - steps, 1)
             same = sum(a == b for x, y in zip(solo, batched) for a, b in zip(x, y))
             first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(solo, batched)]
             out["by_sessions"][str(s)] = {
                 "token_match_rate": round(same / (s * tokens), 4), "identical_sequences": sum(d is None for d in first),
-                "first_divergence": first, "mean_decode_batch": round(mean_batch, 1)}
+                "first_divergence": first, "mean_decode_batch": round(mean_batch, 1),
+                "tok_per_s": round(s * tokens / seconds, 2)}
         if not random_len:
             out["solo_answer_0"] = engine.tokenizer.decode(solo[0])
     return out
@@ -94,7 +100,7 @@ def main() -> None:
         mode = "deterministic" if r["deterministic"] else "default"
         for s, v in r["by_sessions"].items():
             print(f"{mode:<14} S={s:<3} match {v['token_match_rate']:.4f}  identical {v['identical_sequences']}/{s}  "
-                  f"mean batch {v['mean_decode_batch']}")
+                  f"mean batch {v['mean_decode_batch']}  {v['tok_per_s']} tok/s")
 
 
 if __name__ == "__main__":

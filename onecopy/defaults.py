@@ -42,8 +42,8 @@ def default_bundle(device: str = "cpu", progress: bool = True, model: str = EMBE
     path = cache_dir() / f"{name}-{device}-msl{max_seq_len}-torch{torch_tag}-v{FORMAT_VERSION}"
     try:
         methods = read_manifest(path).methods.values()
-        if any(m.batch_invariant for m in methods if m.role == "decode"):
-            return path  # else built by an onecopy before batch-invariant decode: build it again
+        if device != "cuda" or any(m.batch_invariant for m in methods if m.role == "decode"):
+            return path  # else a CUDA bundle built before the batch-invariant decode: build it again
     except BundleError:
         pass  # absent or damaged: (re)build it
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -51,10 +51,6 @@ class DeviceMismatchError(BundleError):
     """The bundle was compiled for another device kind than the one asked for."""
 
 
-class NotBatchInvariantError(BundleError):
-    """A deterministic engine was asked for, but the bundle has no batch-invariant decode method."""
-
-
 class ToolchainError(OnecopyError):
     """A compiled package cannot be loaded safely into this process (C++ runtime mismatch)."""
 

@@ -1,10 +1,11 @@
-"""Batch invariance at the method level: one session's decode call, placed anywhere in any batch.
+"""Batch invariance of a deterministic engine's decode step: one session's step, placed anywhere in any batch.
 
-`decode_placed` runs a bundle's decode method once on pools built here: the session's state row at
-pool row ``row`` of a pool of ``pool_rows`` rows, every other row random, and a batch whose rows are
-``batch`` (the session's row among them), each neighbour at its own random token and position. It
-returns the session's logits and its state row after the call; a batch-invariant decode gives the
-same bits for every placement.
+`decode_placed` runs one decode step the way the engine does (its decode method in a `DecodeStep`:
+batched for a batch-invariant method, one row per call otherwise) on a pool built here: the
+session's state row at row ``row`` of a pool of ``pool_rows`` rows, every other row random, and a
+step whose rows are ``batch`` (the session's row among them), each neighbour at its own random token
+and position. It returns the session's logits and its state row after the step; a deterministic
+engine gives the same bits for every placement.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from __future__ import annotations
 import torch
 
 from onecopy.bundle import parse_dtype
+from onecopy.runtime.pool import StatePool
+from onecopy.runtime.step import DecodeStep, default_buckets, runs_one_row_per_call
+from onecopy.runtime.workspace import Workspace
 
 
 def session_state(engine, seed: int) -> dict[str, torch.Tensor]:
@@ -28,19 +32,19 @@ def decode_placed(engine, state: dict[str, torch.Tensor], token: int, position: 
     assert row in batch and len(set(batch)) == len(batch) and max(batch) < pool_rows
     method = engine.method(engine.role_method("decode"))
     g = torch.Generator().manual_seed(1000 + seed)
-    pools = []
-    for f in method.spec.state:
-        p = (0.1 * torch.randn((pool_rows, *state[f].shape), generator=g)).to(state[f].dtype).to(engine.device)
+    pool = StatePool(engine.manifest.state, pool_rows, engine.device)
+    for f, p in pool.tensors.items():
+        p.copy_((0.1 * torch.randn(p.shape, generator=g)).to(p.dtype))
         p[row] = state[f]
-        pools.append(p)
+    step = DecodeStep(method, pool, Workspace(), buckets=default_buckets(pool_rows),
+                      one_row_per_call=runs_one_row_per_call(method.spec, engine.deterministic))
     n = len(batch)
-    tokens = torch.randint(0, engine.vocab_size, (n, 1), generator=g)
+    tokens = torch.randint(0, engine.vocab_size, (n,), generator=g)
     positions = torch.randint(0, engine.max_seq_len, (n,), generator=g)
     i = batch.index(row)
-    tokens[i, 0], positions[i] = token, position
-    dev = engine.device
-    logits = method(tokens.to(dev), positions.to(dev), torch.tensor(batch).to(dev), *pools)
-    return logits[i].clone(), {f: p[row].clone() for f, p in zip(method.spec.state, pools)}
+    tokens[i], positions[i] = token, position
+    logits = step(batch, positions.tolist(), tokens.to(engine.device))
+    return logits[i].clone(), {f: p[row].clone() for f, p in pool.tensors.items()}
 
 
 # (pool rows, the session's row, the batch's rows in order): alone at row 0 of 3 first, then at row 5

@@ -2,15 +2,14 @@
 the pool size, the batch size of a step or the sessions beside it (on any CPU: CI runs this file a
 second time with the ISA forced down to AVX2)."""
 
-import json
+import dataclasses
 
 import pytest
 import torch
 
 import onecopy
-from onecopy.errors import NotBatchInvariantError
+from onecopy.runtime.engine import methods_to_load
 
-from .conftest import copy_bundle
 from .invariance import assert_invariant
 
 SAMPLED = onecopy.SamplingParams(temperature=0.8, top_k=50, seed=11, max_new_tokens=16)
@@ -20,16 +19,26 @@ NEIGHBOURS = [([5, 9, 33, 2], onecopy.SamplingParams(max_new_tokens=20)),
 PROMPT = [11, 22, 33, 44, 55, 66, 77]
 
 
-def test_bundles_have_a_fast_and_a_batch_invariant_decode_and_engines_load_one(tiny_bundle):
+def test_cpu_bundles_have_one_decode_which_deterministic_engines_run_one_row_per_call(tiny_bundle):
     manifest = onecopy.bundle.read_manifest(tiny_bundle)
-    decodes = {n: m.batch_invariant for n, m in manifest.methods.items() if m.role == "decode"}
-    assert decodes == {"decode": False, "decode_invariant": True}
-    for deterministic, name in ((False, "decode"), (True, "decode_invariant")):
+    assert {n: m.batch_invariant for n, m in manifest.methods.items()} == {"prefill": False, "decode": False}
+    for deterministic in (False, True):
         with onecopy.Engine.load(tiny_bundle, max_sessions=2, deterministic=deterministic) as engine:
-            assert engine.role_method("decode") == name and engine.methods == ["prefill", name]
+            assert engine.methods == ["prefill", "decode"]
+            assert engine._step.one_row_per_call is deterministic
 
 
-def test_decode_method_is_batch_invariant(tiny_bundle):
+def test_deterministic_engines_prefer_a_batch_invariant_decode(tiny_bundle):
+    """As on CUDA bundles: a deterministic engine loads the batch-invariant decode and runs it batched,
+    a default engine the fast one."""
+    manifest = onecopy.bundle.read_manifest(tiny_bundle)
+    invariant = dataclasses.replace(manifest.methods["decode"], name="decode_invariant", batch_invariant=True)
+    manifest.methods = {**manifest.methods, "decode_invariant": invariant}
+    assert methods_to_load(manifest, deterministic=True) == ["prefill", "decode_invariant"]
+    assert methods_to_load(manifest, deterministic=False) == ["prefill", "decode"]
+
+
+def test_decode_step_is_batch_invariant(tiny_bundle):
     """Logits and the state row of one session, bit for bit: alone at row 0 of a 3-row pool vs row 5 of 8
     (batch index 5 of 8, 0 of 1, 1 of 2, 5 of 6), row 17 of 24 and row 5 of 70 among neighbours."""
     with onecopy.Engine.load(tiny_bundle, max_sessions=2, deterministic=True) as engine:
@@ -37,12 +46,12 @@ def test_decode_method_is_batch_invariant(tiny_bundle):
 
 
 @pytest.mark.slow
-def test_decode_method_is_batch_invariant_smollm2(smollm2_bundle):
+def test_decode_step_is_batch_invariant_smollm2(smollm2_bundle):
     with onecopy.Engine.load(smollm2_bundle, max_sessions=2, deterministic=True) as engine:
         assert_invariant(engine, token=504, position=30)
 
 
-def test_whisper_decoder_is_batch_invariant(whisper_bundle):
+def test_whisper_decoder_step_is_batch_invariant(whisper_bundle):
     with onecopy.Engine.load(whisper_bundle, max_sessions=2, deterministic=True) as engine:
         assert_invariant(engine, token=50257, position=3)
 
@@ -73,15 +82,3 @@ def test_a_session_at_row_5_of_8_equals_itself_at_row_0_of_3(tiny_bundle, neighb
             assert torch.equal(v, state[k]), k
         if neighbours:
             assert engine.scheduler.stats.decode_rows > engine.scheduler.stats.decode_steps  # steps were shared
-
-
-def test_deterministic_refuses_a_bundle_without_a_batch_invariant_decode(tiny_bundle, tmp_path):
-    """A bundle without a batch-invariant decode loads by default; deterministic is refused, typed."""
-    bundle = copy_bundle(tiny_bundle, tmp_path / "old")
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    manifest["methods"]["decode_invariant"].pop("batch_invariant")  # as an older onecopy wrote it
-    (bundle / "manifest.json").write_text(json.dumps(manifest))
-    with onecopy.Engine.load(bundle) as engine:
-        assert engine.role_method("decode") == "decode"
-    with pytest.raises(NotBatchInvariantError, match="no batch-invariant decode method.*deterministic=False"):
-        onecopy.Engine.load(bundle, deterministic=True)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..bundle import InputSpec
+from . import invariant
 from .invariant import invariant_method
 
 MAX_BATCH = 1024  # most sessions one decode call takes
@@ -78,8 +79,9 @@ def pooled_methods(specs: dict[str, tuple[list[int], torch.dtype]], max_seq_len:
                    prefill_context: bool = False) -> dict[str, MethodDef]:
     """MethodDefs for token methods of the two standard roles, every state pool passed to each.
 
-    A decode method comes twice: ``<name>`` (the fastest: the BLAS GEMM on CPU, cuBLAS past a few rows
-    on CUDA) and ``<name>_invariant`` (batch-invariant, `invariant`; for deterministic engines).
+    A decode method ``<name>`` (the fastest: the BLAS GEMM on CPU, cuBLAS past a few rows on CUDA); on
+    CUDA also ``<name>_invariant`` (batch-invariant, `invariant`; for deterministic engines. On CPU a
+    deterministic engine runs ``<name>`` one row per call instead: faster there, see `runtime.step`).
     decode(tokens[B, 1], input_pos[B], rows[B], *pools); prefill(tokens[1, T], input_pos[T], rows[1], *pools),
     or with ``prefill_context`` prefill(tokens[1, T], input_pos[T], context[L], rows[1], *pools) where
     ``context`` is arange(L), L = the chunk's last position + 1: its length, a dynamic dim, lets the
@@ -115,7 +117,7 @@ def pooled_methods(specs: dict[str, tuple[list[int], torch.dtype]], max_seq_len:
         else:
             raise ValueError(f"pooled_methods makes decode and prefill methods, not {role!r}")
         out[name] = MethodDef(module, args + pools, shapes + (pool_dims,), inputs, role, fqns)  # *pools: one entry
-        if role == "decode":
+        if role == "decode" and invariant.available(device):
             out[f"{name}_invariant"] = MethodDef(invariant_method(module), args + pools, shapes + (pool_dims,), inputs,
                                                  role, fqns, batch_invariant=True)
     return out

@@ -1,19 +1,16 @@
-"""Batch-invariant decode: a row's arithmetic never depends on the batch it runs in.
+"""Batch-invariant decode on CUDA: a row's arithmetic never depends on the batch it runs in.
 
 A decode step's rows are sessions. For a session's logits, tokens and state to be the same whoever
 shares its step (and wherever its row sits), every reduction of the step must take each row in an
 order fixed by that row alone. Norms, RoPE and the attention kernels already do (attention splits a
-row by its own length); linear layers do not: the CPU BLAS picks its blocking by M and a row's result
-changes with M and with where the row falls in it (seen on AVX2 and AVX-512 machines), and cuBLAS
-picks kernels by M. A decode method traced under `BatchInvariant` gets linear layers that are
-invariant by construction:
+row by its own length); linear layers do not: cuBLAS picks its kernel (tiles, split-K) by M. A decode
+method traced under `BatchInvariant` gets `kernels.small_linear` for every linear layer, with one
+BLOCK_N and BLOCK_K for every batch size (each row's K order fixed, no split-K): 16 rows per program
+up to 16 rows, 64 past that (a row gets the same bits from either tile: tests/gpu).
 
-- CPU: a mul + sum reduction over K that Inductor compiles into one kernel, parallel over the output
-  features, each output reducing its row's K in one fixed vectorised order (as fast as the BLAS GEMM
-  for a few rows: the weight row stays in cache while every batch row uses it);
-- CUDA: `kernels.small_linear` for every batch size with one BLOCK_N and BLOCK_K (each row's K order
-  fixed, no split-K): 16 rows per program up to 16 rows, 64 past that (a row gets the same bits from
-  either tile: tests/gpu).
+CPU bundles have no such method: there a deterministic engine runs the BLAS decode one row per call
+(`runtime.step`), invariant by construction and faster than any batched invariant reduction we
+built (an Inductor mul + sum per linear ran the SmolLM2 decode on one thread, ~12x slower).
 """
 
 from __future__ import annotations
@@ -29,19 +26,23 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from . import kernels
 
 
+def available(device: str | torch.device) -> bool:
+    """True when a batch-invariant decode can be compiled for ``device`` (CUDA with Triton)."""
+    return torch.device(device).type == "cuda" and kernels.available()
+
+
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` whose every output row depends on its input row alone (see the module docstring)."""
+    if not (x.is_cuda and kernels.available()):
+        raise RuntimeError("the batch-invariant linear is a CUDA kernel (Triton); on CPU run the decode one row per call")
+    kernels.register()
     rows = x.reshape(-1, x.shape[-1])
-    if rows.is_cuda and kernels.available():
-        kernels.register()
 
-        def few(block_m: int):
-            return lambda r, w: kernels.small_linear(r, w, block_m=block_m, invariant=True)[0]
+    def few(block_m: int):
+        return lambda r, w: kernels.small_linear(r, w, block_m=block_m, invariant=True)[0]
 
-        y = torch.cond(rows.shape[0] <= kernels.SMALL_LINEAR_ROWS, few(kernels.SMALL_LINEAR_ROWS),
-                       few(kernels.INVARIANT_ROWS), (rows, weight))
-    else:  # [N, 1, K] * [1, M, K] summed over K: the output features are the outer (parallel) loop
-        y = (weight[:, None, :] * rows[None, :, :]).sum(-1).t()
+    y = torch.cond(rows.shape[0] <= kernels.SMALL_LINEAR_ROWS, few(kernels.SMALL_LINEAR_ROWS),
+                   few(kernels.INVARIANT_ROWS), (rows, weight))
     y = y.reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..bundle import Manifest, read_bundle
-from ..errors import EngineClosedError, InputError, NotBatchInvariantError, SessionCapacityError
+from ..errors import EngineClosedError, InputError, SessionCapacityError
 from ..sampling import BatchSampler, DrawPlan, SamplingParams, to_device
 from ..tokenizer import Tokenizer
 from .graphs import DecodeGraphs
@@ -20,7 +20,7 @@ from .pool import StatePool
 from .scheduler import Scheduler, TokenStream
 from .session import Session
 from .state import SessionSnapshot
-from .step import DecodeStep, default_buckets
+from .step import DecodeStep, default_buckets, runs_one_row_per_call
 from .weights import WeightStore
 from .workspace import Workspace
 
@@ -80,17 +80,14 @@ def size_pool(row_bytes: int, device: torch.device, *, max_sessions: int | None,
     return rows, f"{rows} rows: the CPU default (pass max_sessions or memory_budget to change it)"
 
 
-def methods_to_load(manifest: Manifest, deterministic: bool, where: Path) -> list[str]:
-    """The methods an engine loads: every method but one decode, the batch-invariant one when
-    ``deterministic`` (NotBatchInvariantError if there is none), else the fastest (the other one)."""
+def methods_to_load(manifest: Manifest, deterministic: bool) -> list[str]:
+    """The methods an engine loads: every method but one decode. Deterministic: the batch-invariant one
+    if the bundle has it (CUDA bundles), else the plain one, run one row per call (`runtime.step`).
+    Default: the fastest (the one that is not batch-invariant)."""
     decodes = [n for n, m in manifest.methods.items() if m.role == "decode"]
     invariant = [n for n in decodes if manifest.methods[n].batch_invariant]
-    if deterministic and decodes and not invariant:
-        raise NotBatchInvariantError(
-            f"bundle {where} has no batch-invariant decode method (its decode: {', '.join(decodes)}), so a deterministic "
-            "engine cannot keep a session's tokens independent of its neighbours; export it again with this onecopy, "
-            "or load it with deterministic=False")
-    keep = invariant[:1] if deterministic else ([n for n in decodes if n not in invariant] or invariant)[:1]
+    plain = [n for n in decodes if n not in invariant]
+    keep = (invariant or plain)[:1] if deterministic else (plain or invariant)[:1]
     return [n for n in manifest.methods if n not in decodes or n in keep]
 
 
@@ -131,11 +128,11 @@ class Engine:
         ``memory_report().pool_sizing`` says which rule applied.
         ``cuda_graphs`` (default: on for CUDA) captures decode once per batch size in
         ``decode_buckets`` (default 1, 2, 4, ... up to the pool size); steps run padded to the next
-        bucket with graphs, and eagerly too when ``decode_buckets`` is given. ``deterministic`` loads the
-        bundle's batch-invariant decode (`models.invariant`): a session's logits, tokens and state are
-        then the same bit for bit whatever its row, the pool size and the sessions sharing its steps
-        (bundles also carry a faster decode, the default: the BLAS GEMM on CPU, cuBLAS past 16 rows on
-        CUDA; NotBatchInvariantError if the bundle has no batch-invariant one). ``prefill_chunk`` (default 512)
+        bucket with graphs, and eagerly too when ``decode_buckets`` is given. ``deterministic``: a session's logits, tokens and
+        state are the same bit for bit whatever its row, the pool size and the sessions sharing its
+        steps: steps run the bundle's batch-invariant decode (CUDA bundles, `models.invariant`) batched,
+        or its decode one row per call (CPU; `runtime.step`). The default loads the fastest decode
+        (the BLAS GEMM on CPU, cuBLAS past 16 rows on CUDA), batched. ``prefill_chunk`` (default 512)
         bounds the prompt tokens one prefill call takes; ``max_queue`` bounds requests waiting for a
         row (QueueFullError beyond; default unbounded); ``max_batch`` caps the sessions one decode
         step takes (1 interleaves sessions one step each, the unbatched baseline).
@@ -161,7 +158,7 @@ class Engine:
         store = WeightStore(dev)
         engine = None
         try:
-            for name in methods_to_load(manifest, deterministic, Path(bundle_dir)):
+            for name in methods_to_load(manifest, deterministic):
                 methods[name] = Method(manifest.methods[name], bundle.package_path(name), dev)
             store.load(bundle, {f for m in methods.values() if not m.embeds_weights for f in m.weight_fqns})
             for m in methods.values():
@@ -225,7 +222,8 @@ class Engine:
         if decode_buckets and max(buckets) < rows:
             buckets.append(rows)  # a step of every session must fit some graph
         if decode is not None:
-            self._step = DecodeStep(decode, self._pool, self.workspace, buckets=buckets, pad=decode_buckets is not None)
+            self._step = DecodeStep(decode, self._pool, self.workspace, buckets=buckets, pad=decode_buckets is not None,
+                                    one_row_per_call=runs_one_row_per_call(decode.spec, deterministic))
             use_graphs = self.device.type == "cuda" and not decode.embeds_weights if cuda_graphs is None else cuda_graphs
             if use_graphs:
                 self._step.graphs = DecodeGraphs(decode.spec, self.path / decode.spec.package, self.device, self._store,

@@ -3,9 +3,12 @@
 The batch is the sessions in the step, padded to the next bucket (always with CUDA graphs, one per
 bucket; eagerly only when the engine was given ``decode_buckets``) or run at its exact size.
 Padding entries point at the scratch row: they can never write a live session.
-Which decode method runs decides what a session's numbers may depend on: the batch-invariant one (a
-deterministic engine's) gives each row the same bits whatever the batch
-(`models.invariant`), so no step needs padding to a fixed size for that.
+What a session's numbers may depend on is decided here. A deterministic engine needs each row's
+bits to be the same whatever the batch: with a batch-invariant decode (CUDA, `models.invariant`)
+a step runs batched; with any other (the BLAS decode of a CPU bundle, or an older CUDA bundle) it
+runs one row per call, each call a batch of one that reads only that row: invariant by construction.
+On 2 CPU cores that costs SmolLM2 ~60 ms per row against ~26 ms per row batched at 8 (measured:
+benchmarks/results/deterministic_cost_smollm2_cpu.json). Nothing is padded to the pool size.
 """
 
 from __future__ import annotations
@@ -14,11 +17,17 @@ import bisect
 
 import torch
 
+from ..bundle import MethodSpec
 from ..sampling import to_device
 from .graphs import DecodeGraphs
 from .method import Method
 from .pool import StatePool
 from .workspace import Workspace
+
+
+def runs_one_row_per_call(spec: MethodSpec, deterministic: bool) -> bool:
+    """Whether a deterministic engine must run this decode one row per call (it is not batch-invariant)."""
+    return deterministic and not spec.batch_invariant
 
 
 def default_buckets(rows: int) -> list[int]:
@@ -34,10 +43,10 @@ class DecodeStep:
     """Runs decode for (row, token, position) entries; the static inputs live in the workspace."""
 
     def __init__(self, method: Method, pool: StatePool, workspace: Workspace, *, buckets: list[int],
-                 pad: bool = False) -> None:
-        self.method, self.pool, self.pad = method, pool, pad
+                 pad: bool = False, one_row_per_call: bool = False) -> None:
+        self.method, self.pool, self.pad, self.one_row_per_call = method, pool, pad, one_row_per_call
         self.device = pool.device
-        self.buckets = sorted(set(buckets))
+        self.buckets = [1] if one_row_per_call else sorted(set(buckets))
         width = max(self.buckets)
         self.tokens = workspace.get("decode.tokens", (width, 1), torch.long, self.device, zero=True)
         self.positions = workspace.get("decode.input_pos", (width,), torch.long, self.device, zero=True)
@@ -53,7 +62,9 @@ class DecodeStep:
         return (self.tokens[:batch], self.positions[:batch], self.rows[:batch], *self.pools)
 
     def batch_size(self, n: int) -> int:
-        """The batch a step of ``n`` sessions runs at."""
+        """The batch a call of a step of ``n`` sessions runs at."""
+        if self.one_row_per_call:
+            return 1
         if self.graphs is not None or self.pad:
             return self.buckets[bisect.bisect_left(self.buckets, n)]
         return n
@@ -68,6 +79,13 @@ class DecodeStep:
         rows_pos = to_device(torch.tensor([rows, positions], dtype=torch.long), self.device)
         if tokens is None:
             tokens = self.last_token.index_select(0, rows_pos[0])
+        if self.one_row_per_call:
+            return torch.cat([self._call(1, rows_pos[:, i:i + 1], tokens[i:i + 1]).clone() for i in range(n)])
+        return self._call(b, rows_pos, tokens)[:n]
+
+    def _call(self, b: int, rows_pos: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """One call of the method at batch ``b`` for the entries given, the rest padded with the scratch row."""
+        n = rows_pos.shape[1]
         self.rows[:n].copy_(rows_pos[0])
         self.positions[:n].copy_(rows_pos[1])
         self.tokens[:n, 0].copy_(tokens)
@@ -76,8 +94,6 @@ class DecodeStep:
             self.positions[n:b].zero_()
             self.tokens[n:b].zero_()
         if self.graphs is not None:
-            out = self.graphs.replay(b)
-        else:
-            with torch.inference_mode():
-                out = self.method(*self.inputs(b))
-        return out[:n]
+            return self.graphs.replay(b)
+        with torch.inference_mode():
+            return self.method(*self.inputs(b))

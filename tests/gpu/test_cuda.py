@@ -71,11 +71,29 @@ def _alone(engine, prompt, params):
         return ids, {k: v.clone() for k, v in s.state.items()}
 
 
-def test_deterministic_concurrent_sessions_with_graphs_equal_solo(cuda_bundle):
-    """Sessions joining and leaving mid-run, batched in graphs of 1 to 8 rows by the batch-invariant decode:
-    bit-identical to each alone."""
-    with onecopy.Engine.load(cuda_bundle, "cuda", max_sessions=8, deterministic=True, prefill_chunk=16) as engine:
-        assert engine.graph_buckets == [1, 2, 4, 8] and engine.role_method("decode") == "decode_invariant"
+def _without_invariant_decode(bundle, dst):
+    """The bundle as an onecopy before the batch-invariant decode wrote it: one decode."""
+    import json
+
+    from ..conftest import copy_bundle
+
+    copy = copy_bundle(bundle, dst)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    del manifest["methods"]["decode_invariant"]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
+@pytest.mark.parametrize("decode", ["batched-invariant", "one-row-per-call"])
+def test_deterministic_concurrent_sessions_with_graphs_equal_solo(cuda_bundle, decode, tmp_path):
+    """Sessions joining and leaving mid-run, bit-identical to each alone: batched in graphs of 1 to 8 rows
+    by the batch-invariant decode, or (a bundle without one) the fast decode one row per call in the 1-row graph."""
+    bundle = cuda_bundle if decode == "batched-invariant" else _without_invariant_decode(cuda_bundle, tmp_path / "b")
+    with onecopy.Engine.load(bundle, "cuda", max_sessions=8, deterministic=True, prefill_chunk=16) as engine:
+        if decode == "batched-invariant":
+            assert engine.graph_buckets == [1, 2, 4, 8] and engine.role_method("decode") == "decode_invariant"
+        else:
+            assert engine.graph_buckets == [1] and engine.role_method("decode") == "decode"
         solo = {k: _alone(engine, p, sp) for k, (p, sp) in REQUESTS.items()}
         sessions = {k: engine.open_session() for k in REQUESTS}
         streams = {k: sessions[k].submit(*REQUESTS[k], stop_ids=[]) for k in ("short", "sampled", "long", "early")}
