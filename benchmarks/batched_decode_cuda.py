@@ -136,7 +136,7 @@ def main() -> None:
     r = engine.memory_report()
     res["memory"] = {"weights_bytes": r.resident_weight_bytes, "pool_bytes": r.pool_bytes, "pool_rows": r.pool_rows,
                      "graph_buckets": r.graph_buckets, "graphs_and_runners_bytes": r.graph_bytes,
-                     "graph_capture_s": round(engine._step.graphs.capture_seconds, 2) if engine._step.graphs else None,
+                     "graph_capture_s": round(engine.runner.step.graphs.capture_seconds, 2) if engine.runner.step.graphs else None,
                      "device_used_by_engine_bytes": r.device_used_bytes}
     print(res["memory_report"], flush=True)
     run_onecopy(engine, prompts[counts[0]][:1], 8)  # warm-up: prefill kernels, sampler

@@ -56,7 +56,7 @@ def main() -> None:
         tok = torch.tensor([1], device="cuda")
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(a.steps):
-                engine._decode([s.row], [s.position], tok)
+                engine.runner.decode([s.row], [s.position], tok)
             torch.cuda.synchronize()
         n_layers = engine.manifest.config["n_layers"]
     # One step's kernels in launch order (the last step's), so each projection's time can be read off.

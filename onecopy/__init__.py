@@ -4,7 +4,7 @@ from .errors import *  # noqa: F401,F403  (the typed errors are part of the publ
 from .export.exporter import export
 from .runtime.engine import Engine
 from .runtime.memory import MemoryReport
-from .runtime.scheduler import TokenStream
+from .runtime.loop import TokenStream
 from .runtime.session import Session, Slot, Token
 from .sampling import SamplingParams
 

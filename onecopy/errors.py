@@ -59,6 +59,14 @@ class EngineClosedError(OnecopyError):
     """The Engine was closed; load it again."""
 
 
+class EngineFailedError(OnecopyError):
+    """A device error left the engine's context unusable (CUDA errors are sticky); load it again in a new process."""
+
+
+class StepFailedError(OnecopyError):
+    """The step a request ran in raised; the request ended. The engine serves on."""
+
+
 class SessionClosedError(OnecopyError):
     """The session was closed; open a new one."""
 

@@ -19,7 +19,7 @@ from .audio import LogMel, load_audio, windows
 from .bundle import parse_dtype
 from .errors import InputError
 from .runtime.engine import Engine
-from .runtime.scheduler import TokenStream
+from .runtime.loop import TokenStream
 from .sampling import SamplingParams
 
 
@@ -50,7 +50,7 @@ class Transcriber:
         if max_new_tokens is not None:
             limit = min(limit, max_new_tokens + 1)  # + the eos that ends a window
         params = SamplingParams(max_new_tokens=limit, suppress_ids=self.suppress, begin_suppress_ids=self.begin_suppress)
-        return self.engine.scheduler.submit(self.sot, params, encode_inputs=(mel,))
+        return self.engine.submit(self.sot, params, encode_inputs=(mel,))
 
     def _collect(self, stream: TokenStream, max_new_tokens: int | None) -> list[int]:
         ids = stream.result()

@@ -25,7 +25,7 @@ def test_cpu_bundles_have_one_decode_which_deterministic_engines_run_one_row_per
     for deterministic in (False, True):
         with onecopy.Engine.load(tiny_bundle, max_sessions=2, deterministic=deterministic) as engine:
             assert engine.methods == ["prefill", "decode"]
-            assert engine._step.one_row_per_call is deterministic
+            assert engine.runner.step.one_row_per_call is deterministic
 
 
 def test_deterministic_engines_prefer_a_batch_invariant_decode(tiny_bundle):

@@ -256,9 +256,9 @@ def test_recurrent_state_never_runs_overlapped(q35_engine):
     """The step queued after a stop id would advance DeltaNet state for good: such bundles run each
     step to the end before the next (on CUDA too), and refuse to be switched to overlap."""
     assert q35_engine.recurrent_state and all(".linear_attn." in f for f in q35_engine.recurrent_state)
-    assert q35_engine.scheduler.overlap is False
+    assert q35_engine.loop.overlap is False
     with pytest.raises(onecopy.InputError, match="overlapped steps need state that a position can rewind"):
-        q35_engine.scheduler.overlap = True
+        q35_engine.loop.overlap = True
     with q35_engine.open_session() as s:  # stop, then continue: the state holds exactly the fed tokens
         free = s.submit([5, 9, 33], GREEDY, stop_ids=[]).result(timeout=300)
         s.reset()

@@ -40,7 +40,7 @@ def test_concurrent_requests_equal_their_solo_runs_bit_for_bit(det_chunked, over
     """Deterministic mode, sessions joining and leaving mid-run: tokens and final state rows equal each run alone.
     Overlapped: each step is queued before the previous step's ids are read (the CUDA schedule)."""
     engine = det_chunked
-    engine.scheduler.overlap = overlap
+    engine.loop.overlap = overlap
     solo = {k: _run_alone(engine, p, sp) for k, (p, sp) in REQUESTS.items()}
     cancelled_prompt = [60, 61, 62, 63]
     cancelled_solo = _run_alone(engine, cancelled_prompt, GREEDY)[0]
@@ -71,7 +71,7 @@ def test_overlapped_steps_stop_on_eos_with_the_right_state(tiny_bundle):
     runs = []
     for overlap in (False, True):
         with onecopy.Engine.load(tiny_bundle, max_sessions=3) as engine, engine.open_session() as s:
-            engine.scheduler.overlap = overlap
+            engine.loop.overlap = overlap
             free = s.submit([5, 9, 33], GREEDY, stop_ids=[]).result()
             s.reset()
             first = s.submit([5, 9, 33], GREEDY, stop_ids=[free[4]]).result()  # stops on its 5th token
@@ -157,7 +157,7 @@ def test_admission_waits_in_the_queue_and_a_full_queue_raises(tiny_bundle):
 def test_a_burst_that_fits_free_rows_plus_queue_is_accepted(tiny_bundle):
     """max_queue counts requests waiting for a row, not ones a free row takes at the next admission."""
     with onecopy.Engine.load(tiny_bundle, max_sessions=2, max_queue=1) as engine:
-        with engine._lock:  # the loop cannot admit anything between these submits
+        with engine.lock:  # the loop cannot admit anything between these submits
             streams = [engine.submit([i + 1, 2], GREEDY, stop_ids=[]) for i in range(3)]  # 2 rows + 1 queued
             with pytest.raises(onecopy.QueueFullError, match=r"1 requests already wait for a free row \(max_queue=1\)"):
                 engine.submit([9, 9], GREEDY)

@@ -135,13 +135,13 @@ def test_completions_take_text_or_token_ids(tiny_server):
 def test_clients_beyond_capacity_complete_or_get_429(tiny_server):
     """2 rows and a queue of 2: of 12 simultaneous clients each completes or gets 429; none hangs."""
     engine = tiny_server.engine
-    real = engine._decode
+    real = engine.runner.decode
 
     def slow(*a, **k):  # slow steps so that the requests really overlap
         time.sleep(0.03)
         return real(*a, **k)
 
-    engine._decode = slow
+    engine.runner.decode = slow
     results = []
     clients = [_client(tiny_server) for _ in range(12)]
     start = threading.Barrier(12)  # all twelve ask at once, even on a slow 2-core CI machine
@@ -172,8 +172,8 @@ def test_clients_beyond_capacity_complete_or_get_429(tiny_server):
 
 def test_a_client_that_disconnects_frees_its_row(tiny_server):
     engine = tiny_server.engine
-    real = engine._decode
-    engine._decode = lambda *a, **k: (time.sleep(0.02), real(*a, **k))[1]
+    real = engine.runner.decode
+    engine.runner.decode = lambda *a, **k: (time.sleep(0.02), real(*a, **k))[1]
     body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 60, "temperature": 0, "stream": True}
     with httpx.Client(timeout=30) as http, http.stream("POST", tiny_server.url + "/v1/completions", json=body) as r:
         events = 0

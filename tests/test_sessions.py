@@ -88,7 +88,7 @@ def test_methods_bind_weights_once_and_sessions_never_rebind(tiny_bundle, monkey
 
 def test_sessions_own_their_pool_row_and_it_is_counted_exactly(tiny_engine):
     expected = sum(s.nbytes for s in tiny_engine.manifest.state.values())
-    pool = tiny_engine._pool
+    pool = tiny_engine.runner.pool
     a = tiny_engine.open_session()
     assert a.state_bytes == expected == sum(t.numel() * t.element_size() for t in a.state.values())
     assert all(t.abs().sum() == 0 for t in a.state.values())  # zeros before any run

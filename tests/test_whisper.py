@@ -69,7 +69,7 @@ def test_encoder_runs_once_per_window_and_its_output_stays_put(whisper_bundle, s
                         lambda self, *a: (calls.append((self.name, [x.data_ptr() for x in a])), real(self, *a))[1])
     with onecopy.Engine.load(whisper_bundle) as engine:
         t = Transcriber(engine)
-        cross = [engine._pool.tensors[f].data_ptr() for f in engine.method("encoder").spec.state]
+        cross = [engine.runner.pool.tensors[f].data_ptr() for f in engine.method("encoder").spec.state]
         reads = HostReads(monkeypatch)
         tr = t.transcribe(long)
         monkeypatch.undo()

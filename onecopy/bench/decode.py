@@ -93,11 +93,11 @@ def decode_step_ms(engine, session, steps: int = 100, warmup: int = 5) -> float:
     advanced: every step reads the same context."""
     tok = torch.tensor([1], device=engine.device)
     for _ in range(warmup):
-        engine._decode([session.row], [session.position], tok)
+        engine.runner.decode([session.row], [session.position], tok)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(steps):
-        engine._decode([session.row], [session.position], tok)
+        engine.runner.decode([session.row], [session.position], tok)
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / steps

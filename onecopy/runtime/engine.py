@@ -1,7 +1,14 @@
-"""The Engine: one bundle loaded on one device, its weights held once, a state pool for its sessions."""
+"""The Engine: one bundle loaded on one device, its weights held once, a state pool for its sessions.
+
+A facade over three parts with one job each: the `runner.ModelRunner` (methods, pool, decode step,
+graphs, sampler), the `scheduler.Scheduler` (pure policy over requests) and the `loop.EngineLoop`
+(the thread that drives them and feeds the streams). The engine loads, opens and closes sessions,
+checks and submits requests, and reports memory.
+"""
 
 from __future__ import annotations
 
+import logging
 import threading
 import warnings
 from collections.abc import Sequence
@@ -10,19 +17,19 @@ from pathlib import Path
 import torch
 
 from ..bundle import Manifest, read_bundle
-from ..errors import EngineClosedError, InputError, SessionCapacityError
-from ..sampling import BatchSampler, DrawPlan, SamplingParams, to_device
+from ..errors import EngineClosedError, EngineFailedError, InputError, PromptTooLongError, SessionCapacityError
+from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
-from .graphs import DecodeGraphs
+from .loop import EngineLoop, TokenStream
 from .memory import MemoryReport, available_bytes, device_used
 from .method import Method
-from .pool import StatePool
-from .scheduler import Scheduler, TokenStream
+from .runner import ModelRunner
+from .scheduler import Request, Scheduler
 from .session import Session
 from .state import SessionSnapshot
-from .step import DecodeStep, default_buckets, runs_one_row_per_call
 from .weights import WeightStore
-from .workspace import Workspace
+
+log = logging.getLogger("onecopy.engine")
 
 CPU_DEFAULT_SESSIONS = 8  # pool rows on CPU unless max_sessions or memory_budget say otherwise
 CUDA_MAX_SESSIONS = 256  # cap on the rows sized from free GPU memory (and on the largest decode graph)
@@ -92,7 +99,7 @@ def methods_to_load(manifest: Manifest, deterministic: bool) -> list[str]:
 
 
 class Engine:
-    """Owns the weight store, the loaded methods, the state pool and the scheduler. Create with `Engine.load`."""
+    """Owns the weight store, the model runner, the scheduler and its loop. Create with `Engine.load`."""
 
     def __init__(self, path: Path, manifest: Manifest, device: torch.device, methods: dict[str, Method],
                  store: WeightStore, baseline_used: int) -> None:
@@ -104,16 +111,13 @@ class Engine:
         self._lock = threading.RLock()
         self._tokenizer: Tokenizer | None = None
         self.closed = False
-        self.workspace = Workspace()
-        self._pool: StatePool
-        self._sampler: BatchSampler
-        self._step: DecodeStep | None = None
+        self.runner: ModelRunner | None = None
         self.scheduler: Scheduler
+        self.loop: EngineLoop
         self.pool_sizing = ""
         self.deterministic = False
         self.fail_closed_reason: str | None = None
         self._mutated_initial: dict[str, torch.Tensor] = {}  # constants written in place (fail-closed bundles)
-        self._row_index: torch.Tensor  # pool row ids on the device: one session's rows input is a view
 
     @classmethod
     def load(cls, bundle_dir: str | Path, device: str | torch.device = "cpu", *, max_sessions: int | None = None,
@@ -195,11 +199,11 @@ class Engine:
     def _setup(self, max_sessions: int | None, memory_budget: int | None, memory_fraction: float, reserve: int,
                cuda_graphs: bool | None, deterministic: bool, decode_buckets: Sequence[int] | None,
                prefill_chunk: int | None, max_queue: int | None, max_batch: int | None) -> None:
-        """Allocate the pool, the sampler state and the decode step, then capture the graphs."""
+        """Size the pool, build the runner (pool, sampler, decode step, graphs), the scheduler and its loop."""
         m = self.manifest
         if not m.state:
             raise InputError(f"bundle {self.path} declares no session state; this onecopy serves stateful methods")
-        decode = self._role("decode")
+        decode = next((x for x in self._methods.values() if x.role == "decode"), None)
         if cuda_graphs and (decode is None or decode.embeds_weights):
             raise InputError(f"cuda_graphs=True needs a 'decode' method bound to the shared weights; bundle "
                              f"{self.path} has {', '.join(self._methods)}: load it with cuda_graphs=False")
@@ -209,27 +213,20 @@ class Engine:
         rows, self.pool_sizing = size_pool(row_bytes + 3 * vocab, self.device, max_sessions=max_sessions,
                                            memory_budget=memory_budget, memory_fraction=memory_fraction,
                                            reserve=reserve)
-        self._pool = StatePool(m.state, rows, self.device)
-        # Row ids spaced 16 bytes apart: a one-row view stays 16-byte aligned, as the packages were compiled for
-        # (an unaligned input is copied by AOTI on every call).
-        self._row_index = torch.arange(rows + 1, device=self.device).repeat_interleave(2)
-        self._arange = torch.arange(m.max_seq_len, device=self.device)  # prefill contexts are views of it
-        self._sampler = BatchSampler(rows + 1, vocab, self.device)
         self.deterministic = deterministic
-        if decode_buckets is not None and (not decode_buckets or min(decode_buckets) < 1 or max(decode_buckets) > rows):
-            raise InputError(f"decode_buckets must be batch sizes in 1..{rows} (the pool's rows), got {list(decode_buckets)}")
-        buckets = sorted(set(decode_buckets)) if decode_buckets else default_buckets(rows)
-        if decode_buckets and max(buckets) < rows:
-            buckets.append(rows)  # a step of every session must fit some graph
-        if decode is not None:
-            self._step = DecodeStep(decode, self._pool, self.workspace, buckets=buckets, pad=decode_buckets is not None,
-                                    one_row_per_call=runs_one_row_per_call(decode.spec, deterministic))
-            use_graphs = self.device.type == "cuda" and not decode.embeds_weights if cuda_graphs is None else cuda_graphs
-            if use_graphs:
-                self._step.graphs = DecodeGraphs(decode.spec, self.path / decode.spec.package, self.device, self._store,
-                                                 self._step.buckets, self._step.inputs, torch.cuda.Stream(self.device))
+        self.runner = ModelRunner(self.path, m, self.device, self._methods, self._store, rows,
+                                  deterministic=deterministic, cuda_graphs=cuda_graphs, decode_buckets=decode_buckets)
+        log.info("%s on %s: %s; decode %s%s", self.path.name, self.device, self.pool_sizing,
+                 decode.name if decode else "none",
+                 f", graphs for {self.runner.graph_buckets}" if self.runner.graph_buckets else "")
         chunk = min(prefill_chunk or DEFAULT_PREFILL_CHUNK, self.prefill_bound)
-        self.scheduler = Scheduler(self, prefill_chunk=chunk, max_queue=max_queue, max_batch=max_batch)
+        self.scheduler = Scheduler(self, max_seq_len=m.max_seq_len, has_prefill=self.has_prefill, prefill_chunk=chunk,
+                                   max_queue=max_queue, max_batch=max_batch)
+        # Overlap step t+1 with step t's ids on CUDA; not with recurrent state: the step queued after a
+        # stop id would advance it for good.
+        self.loop = EngineLoop(self.scheduler, self.runner, self._lock, on_finished=self._request_finished,
+                               overlap=self.device.type == "cuda" and not self.recurrent_state)
+        self.loop.recurrent_state = bool(self.recurrent_state)
 
     # -- introspection -------------------------------------------------------------------------
     @property
@@ -244,6 +241,11 @@ class Engine:
 
     def _role(self, role: str) -> Method | None:
         return next((m for m in self._methods.values() if m.role == role), None)
+
+    @property
+    def lock(self) -> threading.RLock:
+        """Held while the device runs anything for this engine (a step, a session's direct call)."""
+        return self._lock
 
     def role_method(self, role: str) -> str:
         """Name of the method with ``role`` (decode, prefill, encode); InputError if there is none."""
@@ -281,7 +283,7 @@ class Engine:
     @property
     def max_sessions(self) -> int:
         """Rows of the state pool: the most sessions open at once."""
-        return self._pool.rows
+        return self.runner.pool.rows
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -302,16 +304,21 @@ class Engine:
     @property
     def state_bytes_per_session(self) -> int:
         """Sum of the state tensors' bytes one session owns (one pool row)."""
-        return self._pool.row_bytes
+        return self.runner.pool.row_bytes
 
     @property
     def session_bytes(self) -> int:
-        return self._pool.row_bytes
+        return self.runner.pool.row_bytes
 
     @property
     def graph_buckets(self) -> list[int]:
         """Batch sizes with a captured decode graph (empty without graphs)."""
-        return self._step.graphs.buckets if self._step is not None and self._step.graphs is not None else []
+        return self.runner.graph_buckets if self.runner is not None else []
+
+    @property
+    def failed(self) -> str | None:
+        """Why the engine serves no more (a sticky device error), or None."""
+        return self.loop.failed if hasattr(self, "loop") else None
 
     @property
     def cuda_graphs(self) -> bool:
@@ -342,14 +349,23 @@ class Engine:
         return self.check_token_ids(prompt)
 
     # -- sessions ------------------------------------------------------------------------------
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """EngineClosedError after close, EngineFailedError after a sticky device error."""
         if self.closed:
             raise EngineClosedError("this Engine is closed; load the bundle again with Engine.load")
+        if self.failed:
+            raise EngineFailedError(f"the engine failed and serves no more requests: {self.failed}; "
+                                    "load the bundle again in a new process")
 
     def capacity(self) -> int:
         """How many more sessions can be opened now: the pool's free rows."""
-        self._check_open()
-        return self._pool.free_rows
+        self.check_open()
+        return self.runner.pool.free_rows
+
+    @property
+    def free_rows(self) -> int:
+        """The pool's free rows (no checks: the scheduler's view)."""
+        return self.runner.pool.free_rows if self.runner is not None else 0
 
     def open_session(self, restore: SessionSnapshot | str | Path | None = None) -> Session:
         """Take a free row of the state pool (zeroed) for a new session; SessionCapacityError when none is free.
@@ -358,17 +374,18 @@ class Engine:
         """
         snap = SessionSnapshot.load(restore) if isinstance(restore, (str, Path)) else restore
         with self._lock:
-            self._check_open()
-            if self._pool.free_rows == 0:
+            self.check_open()
+            pool = self.runner.pool
+            if pool.free_rows == 0:
                 raise self._capacity_error()
-            session = Session(self, self._next_id, self._pool.acquire())
+            session = Session(self, self._next_id, pool.acquire())
             self._next_id += 1
             self._sessions[session.id] = session
             if snap is not None:
                 try:
-                    session._restore(snap)
+                    session.restore(snap)
                 except BaseException:
-                    self._close_session(session)
+                    self.release_session(session)
                     raise
             for fqn, init in self._mutated_initial.items():  # fail-closed: each session starts from clean constants
                 self._store.get(fqn).copy_(init)
@@ -376,96 +393,84 @@ class Engine:
 
     def _capacity_error(self) -> SessionCapacityError:
         extra = f" ({self.fail_closed_reason})" if self.fail_closed_reason else ""
+        pool = self.runner.pool
         return SessionCapacityError(
-            f"cannot open another session: all {self._pool.rows} rows of the state pool are in use "
-            f"({self.pool_sizing}; {self._pool.row_bytes} bytes each){extra}. Close a session, or load the engine "
+            f"cannot open another session: all {pool.rows} rows of the state pool are in use "
+            f"({self.pool_sizing}; {pool.row_bytes} bytes each){extra}. Close a session, or load the engine "
             "with a larger max_sessions (export with a smaller --max-seq-len to fit more)")
 
-    def _close_session(self, session: Session) -> None:
+    def release_session(self, session: Session) -> None:
+        """Zero a closed session's row and give it back (the session calls this; no request may run on it)."""
         with self._lock:
-            session._kept.clear()
-            session.closed = True
+            session.mark_closed()
             self._sessions.pop(session.id, None)
             if not self.closed:
-                self._sampler.release(session.row)
-                self._pool.release(session.row)
+                self.runner.release(session.row)
+                self.runner.pool.release(session.row)
         if not self.closed:
-            self.scheduler._wake()  # a waiting request may take the row
+            self.loop.wake()  # a waiting request may take the row
+
+    def _request_finished(self, req: Request) -> None:
+        """A request ended (on the loop, under the lock): detach it from its session, close the session
+        if the scheduler opened it (unless kept) or its owner closed it while the request still ran."""
+        session = req.session
+        if session is None:
+            return
+        with session.attach_lock:
+            if session._stream is req.stream:
+                session._stream = None
+            pending = session.close_pending
+        kept = req.keep_session and req.finish_reason in ("stop", "length")
+        if (req.own_session and not kept) or pending:
+            self.release_session(session)
 
     @property
     def sessions_open(self) -> int:
         return len(self._sessions)
 
-    # -- running methods (callers hold the lock or take it here) --------------------------------
-    def _rows(self, row: int) -> torch.Tensor:
-        """The int64 [1] rows input for one session: an aligned view, no host-to-device copy."""
-        return self._row_index[2 * row:2 * row + 1]
-
-    def _pools(self, method: Method) -> list[torch.Tensor]:
-        return [self._pool.tensors[f] for f in method.spec.state]
-
-    def _takes_context(self, method: Method) -> bool:
-        return method.role == "prefill" and [i.name for i in method.spec.inputs][2:] == ["context"]
-
-    def _run(self, session: Session, name: str, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """Run ``name`` eagerly on the session's row (the checked, one-session path)."""
-        method = self.method(name)
-        if self._takes_context(method) and len(inputs) == 2 and isinstance(inputs[1], torch.Tensor) and inputs[1].numel():
-            last = int(inputs[1].max())  # the context a chunk attends to ends at its last position
-            inputs = (*inputs, self._arange[:last + 1] if 0 <= last < self.max_seq_len else torch.arange(last + 1))
-        method.check_inputs(inputs)
-        if method.role == "decode" and inputs[0].shape[0] != 1:
-            raise InputError(f"{name} on one session takes a batch of 1, got {inputs[0].shape[0]}; "
-                             "batches of sessions go through the scheduler")
-        with self._lock:
-            self._check_open()
-            with torch.inference_mode():
-                return method(*inputs, self._rows(session.row), *self._pools(method))
-
-    def _prefill_chunk(self, session: Session, ids: list[int]) -> torch.Tensor:
-        """Prefill one chunk of checked ids at the session's position; advances it; logits [1, vocab]."""
-        method = self._role("prefill")
-        start = session.position
-        tokens = to_device(torch.tensor([ids], dtype=torch.long), self.device)
-        positions = torch.arange(start, start + len(ids), device=self.device)
-        context = (self._arange[:start + len(ids)],) if self._takes_context(method) else ()
-        with torch.inference_mode():
-            logits = method(tokens, positions, *context, self._rows(session.row), *self._pools(method))
-        session.position += len(ids)
-        return logits
-
-    def _decode(self, rows: list[int], positions: list[int], tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """One batched decode step (see DecodeStep): logits [n, vocab]."""
-        if self._step is None:
-            raise InputError(f"bundle {self.path} has no decode method; it has {', '.join(self._methods)}")
-        return self._step(rows, positions, tokens)
-
-    def _encode(self, session: Session, inputs: tuple[torch.Tensor, ...]) -> None:
-        method = self._role("encode")
-        with torch.inference_mode():
-            method(*inputs, self._rows(session.row), *self._pools(method))
-
-    def _set_last_tokens(self, rows: list[int], ids: list[int]) -> None:
-        packed = to_device(torch.tensor([rows, ids], dtype=torch.long), self.device)
-        self._step.last_token.index_copy_(0, packed[0], packed[1])
-
-    def _store_last_tokens(self, plan: DrawPlan, tokens: torch.Tensor) -> None:
-        self._step.last_token.index_copy_(0, plan.ints[0], tokens)
-
     # -- requests ------------------------------------------------------------------------------
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *, chat: bool = True,
-               session: Session | None = None, stop_ids: Sequence[int] | None = None) -> TokenStream:
-        """Queue a generation request with the scheduler; returns its `TokenStream` (iterate or ``async for``).
+               session: Session | None = None, stop_ids: Sequence[int] | None = None, keep_session: bool = False,
+               encode_inputs: Sequence[torch.Tensor] | None = None) -> TokenStream:
+        """Queue a generation request; returns its `TokenStream` at once (iterate or ``async for``).
 
-        Text prompts go through the chat template unless ``chat=False``. Without ``session`` the
-        request takes a free row when one is (waiting in the queue until then) and frees it at the end.
+        Text prompts go through the chat template unless ``chat=False``; token ids are taken as
+        they are. ``session``: continue that session's state (it stays open afterwards); otherwise
+        a row is taken when one is free (waiting in the queue until then) and released when the
+        request ends, unless ``keep_session``: then the session (``stream.session``) stays open
+        with the conversation and the caller closes it. ``stop_ids`` (default: the model's eos
+        ids) end the request after being emitted. ``encode_inputs`` run through the encode method
+        on the row before the prompt (e.g. audio features for a speech model). Raises InputError /
+        PromptTooLongError for bad input, QueueFullError when ``max_queue`` requests already wait,
+        EngineClosedError after close, EngineFailedError after a device error.
         """
-        return self.scheduler.submit(self.encode_prompt(prompt, chat=chat), params, session=session, stop_ids=stop_ids)
+        self.check_open()
+        params = params or SamplingParams()
+        ids = self.encode_prompt(prompt, chat=chat)
+        if not ids:
+            raise InputError("prompt is empty; give at least one token")
+        start = 0
+        if session is not None:
+            session.check_open()
+            if session.engine is not self:
+                raise InputError(f"session {session.id} belongs to another engine")
+            start = session.position
+        if start + len(ids) > self.max_seq_len:
+            raise PromptTooLongError(
+                f"prompt of {len(ids)} tokens after {start} already in the session exceeds max_seq_len={self.max_seq_len}; "
+                "shorten the prompt, reset the session, or export the bundle with a larger --max-seq-len")
+        if encode_inputs is not None:
+            encode_inputs = tuple(encode_inputs)
+            self.method(self.role_method("encode")).check_inputs(encode_inputs)
+        stop = frozenset(self.eos_token_ids if stop_ids is None else stop_ids)
+        req = Request(0, ids, params, stop, session, own_session=session is None, keep_session=keep_session,
+                      encode_inputs=encode_inputs)
+        return self.loop.submit(req)
 
     # -- accounting ----------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:
         """Weights (unique, resident, duplicated), the state pool, graphs and device-level use of this Engine."""
-        self._check_open()
+        self.check_open()
         weights = self.manifest.weights
         needed = {f for m in self._methods.values() for f in m.weight_fqns}
         unique = sum(weights[f].nbytes for f in needed)
@@ -478,40 +483,35 @@ class Engine:
         if self.fail_closed_reason:
             notes.append(self.fail_closed_reason)
         used = device_used(self.device)
-        graphs = self._step.graphs if self._step is not None else None
+        r = self.runner
+        graphs = r.step.graphs if r.step is not None else None
         return MemoryReport(device=str(self.device), unique_weight_bytes=unique, resident_weight_bytes=resident,
                             duplicated_weight_bytes=resident - unique,
-                            state_bytes=len(self._sessions) * self._pool.row_bytes,
-                            sessions_open=len(self._sessions), state_bytes_per_session=self._pool.row_bytes,
+                            state_bytes=len(self._sessions) * r.pool.row_bytes,
+                            sessions_open=len(self._sessions), state_bytes_per_session=r.pool.row_bytes,
                             device_used_bytes=used - self._baseline_used, device_total_used_bytes=used,
-                            capacity=self._pool.free_rows, pool_rows=self._pool.rows, pool_bytes=self._pool.nbytes,
-                            pool_sizing=self.pool_sizing, sampler_bytes=self._sampler.nbytes,
+                            capacity=r.pool.free_rows, pool_rows=r.pool.rows, pool_bytes=r.pool.nbytes,
+                            pool_sizing=self.pool_sizing, sampler_bytes=r.sampler.nbytes,
                             graph_buckets=self.graph_buckets, graph_bytes=graphs.device_bytes if graphs else 0,
-                            workspace_bytes=self.workspace.nbytes, deterministic=self.deterministic, notes=notes)
+                            workspace_bytes=r.workspace.nbytes, deterministic=self.deterministic, notes=notes)
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the scheduler, free sessions, graphs, the pool, methods and weights. Idempotent."""
-        scheduler = getattr(self, "scheduler", None)
-        if scheduler is not None and not self.closed:
-            scheduler.stop()
+        """Stop the loop, free sessions, graphs, the pool, methods and weights. Idempotent."""
+        loop = getattr(self, "loop", None)
+        if loop is not None and not self.closed:
+            loop.stop()
         with self._lock:
             if self.closed:
                 return
             for s in list(self._sessions.values()):
-                s._kept.clear()
-                s.closed = True
+                s.mark_closed()
             self._sessions.clear()
             self.closed = True
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            if self._step is not None and self._step.graphs is not None:
-                self._step.graphs.release()
-            self._step = None
-            self.workspace.clear()
-            if hasattr(self, "_pool"):
-                self._pool.release_memory()
-                self._sampler.clear()
+            if self.runner is not None:
+                self.runner.close()
             for m in self._methods.values():
                 m.close()
             self._methods.clear()

@@ -8,6 +8,7 @@ can ride in any graph: a step pads to the next bucket and points the padding at 
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from .method import Method
 from .weights import WeightStore
 
 WARMUP_RUNS = 2
+log = logging.getLogger("onecopy.graphs")
 
 
 class DecodeGraphs:
@@ -51,6 +53,8 @@ class DecodeGraphs:
         torch.cuda.synchronize(device)
         self.capture_seconds = time.perf_counter() - t0
         self.device_bytes = free_before - torch.cuda.mem_get_info(device)[0]  # runners + graphs, device-level
+        log.info("captured decode graphs for batch sizes %s in %.1f s (%.0f MiB)", sorted(buckets),
+                 self.capture_seconds, self.device_bytes / 2**20)
 
     @property
     def buckets(self) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from .state import SessionSnapshot
 
 if TYPE_CHECKING:
     from .engine import Engine
-    from .scheduler import TokenStream
+    from .loop import TokenStream
 
 
 @dataclass(frozen=True)
@@ -46,26 +47,30 @@ class Session:
         self.engine, self.id, self.row = engine, session_id, row
         self.position = 0  # tokens already in the state (next write position)
         self.closed = False
+        self.close_pending = False  # closed while a request still ran: the row goes back when it ends
         self._kept: dict[str, torch.Tensor] = {}  # named device slots
-        self._stream: "TokenStream | None" = None  # the request running on this session, if any
+        self._stream: "TokenStream | None" = None  # the request running on this session, if any (set by the loop)
+        self.attach_lock = threading.Lock()  # orders detaching a finished request against close_pending
 
     @property
     def state(self) -> dict[str, torch.Tensor]:
         """This session's state tensors by FQN: views of its row of the pool."""
-        self._check_open()
-        return self.engine._pool.row(self.row)
+        self.check_open()
+        return self.engine.runner.pool.row(self.row)
 
     @property
     def state_bytes(self) -> int:
         """Bytes of this session's state (one pool row)."""
-        return self.engine._pool.row_bytes
+        return self.engine.state_bytes_per_session
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """SessionClosedError once closed."""
         if self.closed:
             raise SessionClosedError(f"session {self.id} is closed; open a new one with engine.open_session()")
 
     def _check_idle(self) -> None:
-        self._check_open()
+        """Call under the engine's lock: no request can then start on this session until it is released."""
+        self.check_open()
         if self._stream is not None and not self._stream.done:
             raise InputError(f"session {self.id} has a request running; wait for it or cancel it first")
 
@@ -78,23 +83,25 @@ class Session:
         with no host round trip. Shapes, dtypes and value ranges are checked before any kernel
         runs. ``keep_as`` keeps the output under that name for later calls.
         """
-        self._check_idle()
-        resolved = tuple(self.slot(i.name) if isinstance(i, Slot) else i for i in inputs)
-        out = self.engine._run(self, method, resolved)
+        with self.engine.lock:
+            self._check_idle()
+            self.engine.check_open()
+            resolved = tuple(self.slot(i.name) if isinstance(i, Slot) else i for i in inputs)
+            out = self.engine.runner.run(self.row, method, resolved)
         if keep_as is not None:
             self.keep(keep_as, out)
         return out
 
     def keep(self, name: str, tensor: torch.Tensor) -> None:
         """Keep a device tensor under ``name`` until reset() or close() (replacing any earlier one)."""
-        self._check_open()
+        self.check_open()
         if tensor.device.type != self.engine.device.type:
             raise InputError(f"slot {name!r} must hold a tensor on {self.engine.device}, got {tensor.device}")
         self._kept[name] = tensor
 
     def slot(self, name: str) -> torch.Tensor:
         """The tensor kept under ``name``; InputError if there is none."""
-        self._check_open()
+        self.check_open()
         if name not in self._kept:
             have = ", ".join(sorted(self._kept)) or "none"
             raise InputError(f"session {self.id} has no slot {name!r} (slots: {have}); run the method that "
@@ -111,7 +118,6 @@ class Session:
         Raises InputError for ids outside the vocabulary and PromptTooLongError if they do not fit
         in max_seq_len, both before any method runs.
         """
-        self._check_idle()
         ids = self.engine.check_token_ids(ids)
         if not ids:
             raise InputError("prompt is empty; give at least one token")
@@ -121,14 +127,17 @@ class Session:
                 f"prompt of {len(ids)} tokens after {self.position} already in the session exceeds max_seq_len={limit}; "
                 "shorten the prompt, reset the session, or export the bundle with a larger --max-seq-len")
         logits = None
-        with self.engine._lock:
+        runner = self.engine.runner
+        with self.engine.lock:
+            self._check_idle()
             if self.engine.has_prefill:
                 chunk = self.engine.scheduler.prefill_chunk
                 for i in range(0, len(ids), chunk):
-                    logits = self.engine._prefill_chunk(self, ids[i:i + chunk])
+                    logits = runner.prefill(self.row, self.position, ids[i:i + chunk])
+                    self.position += len(ids[i:i + chunk])
             else:
                 for t in ids:
-                    logits = self.engine._decode([self.row], [self.position], torch.tensor([t], device=self.engine.device))
+                    logits = runner.decode([self.row], [self.position], torch.tensor([t], device=self.engine.device))
                     self.position += 1
         assert logits is not None
         return logits
@@ -139,11 +148,11 @@ class Session:
         The logits may be a view of a captured graph's output: clone them to keep them past the
         engine's next decode step.
         """
-        self._check_idle()
-        if self.position >= self.engine.max_seq_len:
-            raise PromptTooLongError(f"session {self.id} is full (max_seq_len={self.engine.max_seq_len}); reset it")
-        with self.engine._lock:
-            logits = self.engine._decode([self.row], [self.position], token.reshape(1))
+        with self.engine.lock:
+            self._check_idle()
+            if self.position >= self.engine.max_seq_len:
+                raise PromptTooLongError(f"session {self.id} is full (max_seq_len={self.engine.max_seq_len}); reset it")
+            logits = self.engine.runner.decode([self.row], [self.position], token.reshape(1))
             self.position += 1
         return logits
 
@@ -151,8 +160,8 @@ class Session:
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                stop_ids: Sequence[int] | None = None) -> "TokenStream":
         """Queue a generation on this session's state; returns its `TokenStream` at once."""
-        self._check_open()
-        return self.engine.scheduler.submit(prompt_ids, params, session=self, stop_ids=stop_ids)
+        self.check_open()
+        return self.engine.submit(list(prompt_ids), params, session=self, stop_ids=stop_ids)
 
     def generate_ids(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                      stop_ids: Sequence[int] | None = None) -> Iterator[int]:
@@ -177,16 +186,16 @@ class Session:
     # -- lifetime ------------------------------------------------------------------------------
     def reset(self) -> None:
         """Start a new conversation in this session (its row zeroed, position 0)."""
-        self._check_idle()
-        with self.engine._lock:
-            self.engine._pool.zero_row(self.row)
+        with self.engine.lock:
+            self._check_idle()
+            self.engine.runner.pool.zero_row(self.row)
             self._kept.clear()
             self.position = 0
 
     def snapshot(self) -> SessionSnapshot:
         """Copy this session's row of every state tensor and its position to host memory."""
-        self._check_idle()
-        with self.engine._lock:
+        with self.engine.lock:
+            self._check_idle()
             state = {k: v.detach().to("cpu", copy=True) for k, v in self.state.items()}
             return SessionSnapshot(state=state, position=self.position, fingerprint=self.engine.manifest.fingerprint())
 
@@ -194,7 +203,8 @@ class Session:
         """Write a snapshot to a safetensors file; `Engine.open_session(restore=path)` resumes it."""
         self.snapshot().save(path)
 
-    def _restore(self, snap: SessionSnapshot) -> None:
+    def restore(self, snap: SessionSnapshot) -> None:
+        """Load a snapshot into this (idle) session's row: its state and position."""
         m = self.engine.manifest
         if snap.fingerprint != m.fingerprint():
             raise InputError("the snapshot belongs to another model or export (fingerprint differs); "
@@ -213,17 +223,28 @@ class Session:
             t.copy_(snap.state[k])
         self.position = snap.position
 
-    def close(self) -> None:
-        """Cancel its running request, zero its row and give it back; later use raises SessionClosedError."""
+    def close(self, timeout: float = 60.0) -> None:
+        """Cancel its running request, zero its row and give it back; later use raises SessionClosedError.
+
+        If the request has not ended after ``timeout`` s (a step still runs on the row), the session
+        is closed at once but its row goes back only when the request has ended: no other session is
+        handed a row that a step may still write.
+        """
         if self.closed:
             return
-        if self._stream is not None:
-            self._stream.cancel()
-        self._close_now()
+        stream = self._stream
+        if stream is not None and not stream.cancel(timeout=timeout):
+            with self.attach_lock:  # not the engine's lock: the hung step holds it
+                if self._stream is stream:  # still attached: the loop releases the row when it ends
+                    self.close_pending = True
+                    self.mark_closed()
+                    return
+        self.engine.release_session(self)
 
-    def _close_now(self) -> None:
-        if not self.closed:
-            self.engine._close_session(self)
+    def mark_closed(self) -> None:
+        """Refuse further use (the engine gives the row back)."""
+        self._kept.clear()
+        self.closed = True
 
     def __enter__(self) -> "Session":
         return self

@@ -10,7 +10,7 @@ from ..runtime.memory import device_used
 
 if TYPE_CHECKING:
     from ..runtime.engine import Engine
-    from ..runtime.scheduler import TokenStream
+    from ..runtime.loop import TokenStream
     from .conversations import ConversationCache
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)

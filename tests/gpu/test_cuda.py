@@ -128,7 +128,7 @@ def test_padding_in_graphs_never_touches_free_rows(cuda_bundle):
     """Canary: 3 sessions ride the 4-row graph; the padding entry writes only the scratch row."""
     with onecopy.Engine.load(cuda_bundle, "cuda", max_sessions=8) as engine:
         sessions = [engine.open_session() for _ in range(3)]
-        pool = engine._pool
+        pool = engine.runner.pool
         free = [r for r in range(pool.rows + 1) if r not in {s.row for s in sessions}]
         for t in pool.tensors.values():
             t[free] = 3.0
@@ -296,11 +296,11 @@ def test_decode_fuses_projections_for_few_sessions_and_keeps_cublas_for_more(cud
             s.prefill(PROMPT + [i, 3 * i])
         rows, pos = [s.row for s in sessions], [s.position for s in sessions]
         tokens = torch.arange(17, device="cuda") * 5 + 1
-        alone = [engine._decode(rows[i:i + 1], pos[i:i + 1], tokens[i:i + 1]).clone() for i in range(17)]
+        alone = [engine.runner.decode(rows[i:i + 1], pos[i:i + 1], tokens[i:i + 1]).clone() for i in range(17)]
         names: dict[int, set[str]] = {}
         out: dict[int, torch.Tensor] = {}
         for n in (16, 17):
-            names[n] = _kernel_names(lambda n=n: out.__setitem__(n, engine._decode(rows[:n], pos[:n], tokens[:n]).clone()))
+            names[n] = _kernel_names(lambda n=n: out.__setitem__(n, engine.runner.decode(rows[:n], pos[:n], tokens[:n]).clone()))
         assert any("linear_kernel" in k for k in names[16]), sorted(names[16])
         assert not any("linear_kernel" in k for k in names[17]), sorted(names[17])
         for i in range(16):

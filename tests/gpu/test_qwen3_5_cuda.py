@@ -18,7 +18,7 @@ def test_graph_decode_equals_eager_bit_for_bit(preset, tmp_path):
     runs = []
     for graphs in (False, True):
         with onecopy.Engine.load(bundle, "cuda", max_sessions=4, cuda_graphs=graphs) as engine:
-            assert engine.graph_buckets == ([1, 2, 4] if graphs else []) and not engine.scheduler.overlap
+            assert engine.graph_buckets == ([1, 2, 4] if graphs else []) and not engine.loop.overlap
             s = engine.open_session()
             logits = [s.prefill(PROMPT).clone()]
             for _ in range(32):

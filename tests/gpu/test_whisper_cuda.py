@@ -36,7 +36,7 @@ def test_transcribes_on_cuda_with_one_host_copy_per_token(whisper_cuda):
            and ("DtoH" in e.name or "Device -> Host" in e.name)]
     # Each generated id and the final eos; with overlapped steps (5df8dfa) also the one step queued past
     # the eos before its id was read, whose ids are copied and dropped.
-    overlapped = 1 if whisper_cuda.scheduler.overlap else 0
+    overlapped = 1 if whisper_cuda.loop.overlap else 0
     assert len(d2h) == len(first.window_tokens[0]) + 1 + overlapped
     print("transcript:", first.text, "| tokens:", len(first.window_tokens[0]), "| DtoH copies:", len(d2h))
 

@@ -1,0 +1,198 @@
+"""The model runner: the loaded methods, the state pool, the decode step and its graphs, the sampler
+and each row's last token. It executes the scheduler's plans and the sessions' direct calls; it makes
+no scheduling choice. Callers hold the engine's lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..bundle import Manifest
+from ..errors import InputError
+from ..sampling import BatchSampler, to_device
+from .graphs import DecodeGraphs
+from .method import Method
+from .pool import StatePool
+from .scheduler import Request, StepPlan
+from .step import DecodeStep, default_buckets, runs_one_row_per_call
+from .weights import WeightStore
+from .workspace import Workspace
+
+
+class _Ready:
+    """A completed event, for overlapped steps on a device that is synchronous anyway."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+@dataclass(eq=False)
+class Launched:
+    """A step queued on the device: its plan and its sampled ids on their way to the host."""
+
+    plan: StepPlan
+    ids: "torch.Tensor | list[int]"  # pinned host tensor the ids are copied into (or the ids, when synchronous)
+    ready: "torch.cuda.Event | _Ready | None"  # recorded after the copy; None: the ids are here already
+
+    def host_ids(self) -> list[int]:
+        """The step's sampled ids (waits for the copy)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.ids if isinstance(self.ids, list) else self.ids.tolist()
+
+
+class ModelRunner:
+    """Runs one bundle's methods on one device for the rows of a state pool of ``rows`` sessions."""
+
+    def __init__(self, path: Path, manifest: Manifest, device: torch.device, methods: dict[str, Method],
+                 store: WeightStore, rows: int, *, deterministic: bool, cuda_graphs: bool | None,
+                 decode_buckets: Sequence[int] | None) -> None:
+        self.path, self.manifest, self.device = path, manifest, device
+        self.methods, self.store = methods, store
+        self.workspace = Workspace()
+        self.pool = StatePool(manifest.state, rows, device)
+        # Row ids spaced 16 bytes apart: a one-row view stays 16-byte aligned, as the packages were compiled for
+        # (an unaligned input is copied by AOTI on every call).
+        self._row_index = torch.arange(rows + 1, device=device).repeat_interleave(2)
+        self._arange = torch.arange(manifest.max_seq_len, device=device)  # prefill contexts are views of it
+        self.sampler = BatchSampler(rows + 1, int(manifest.config["vocab_size"]), device)
+        self.step: DecodeStep | None = None
+        decode = self.role("decode")
+        if decode_buckets is not None and (not decode_buckets or min(decode_buckets) < 1 or max(decode_buckets) > rows):
+            raise InputError(f"decode_buckets must be batch sizes in 1..{rows} (the pool's rows), got {list(decode_buckets)}")
+        buckets = sorted(set(decode_buckets)) if decode_buckets else default_buckets(rows)
+        if decode_buckets and max(buckets) < rows:
+            buckets.append(rows)  # a step of every session must fit some graph
+        if decode is not None:
+            self.step = DecodeStep(decode, self.pool, self.workspace, buckets=buckets, pad=decode_buckets is not None,
+                                   one_row_per_call=runs_one_row_per_call(decode.spec, deterministic))
+            use_graphs = device.type == "cuda" and not decode.embeds_weights if cuda_graphs is None else cuda_graphs
+            if use_graphs:
+                self.step.graphs = DecodeGraphs(decode.spec, path / decode.spec.package, device, store,
+                                                self.step.buckets, self.step.inputs, torch.cuda.Stream(device))
+
+    # -- what is loaded -------------------------------------------------------------------------------
+    def role(self, role: str) -> Method | None:
+        """The loaded method with ``role`` (decode, prefill, encode), or None."""
+        return next((m for m in self.methods.values() if m.role == role), None)
+
+    @property
+    def graph_buckets(self) -> list[int]:
+        return self.step.graphs.buckets if self.step is not None and self.step.graphs is not None else []
+
+    def _rows(self, row: int) -> torch.Tensor:
+        """The int64 [1] rows input for one session: an aligned view, no host-to-device copy."""
+        return self._row_index[2 * row:2 * row + 1]
+
+    def _pools(self, method: Method) -> list[torch.Tensor]:
+        return [self.pool.tensors[f] for f in method.spec.state]
+
+    @staticmethod
+    def _takes_context(method: Method) -> bool:
+        return method.role == "prefill" and [i.name for i in method.spec.inputs][2:] == ["context"]
+
+    # -- one session's calls ------------------------------------------------------------------------
+    def run(self, row: int, name: str, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Run method ``name`` on one row, its inputs checked first."""
+        if name not in self.methods:
+            raise InputError(f"bundle has no method {name!r}; it has {', '.join(self.methods)}")
+        method = self.methods[name]
+        if self._takes_context(method) and len(inputs) == 2 and isinstance(inputs[1], torch.Tensor) and inputs[1].numel():
+            last = int(inputs[1].max())  # the context a chunk attends to ends at its last position
+            inputs = (*inputs, self._arange[:last + 1] if 0 <= last < self.manifest.max_seq_len else torch.arange(last + 1))
+        method.check_inputs(inputs)
+        if method.role == "decode" and inputs[0].shape[0] != 1:
+            raise InputError(f"{name} on one session takes a batch of 1, got {inputs[0].shape[0]}; "
+                             "batches of sessions go through the scheduler")
+        with torch.inference_mode():
+            return method(*inputs, self._rows(row), *self._pools(method))
+
+    def prefill(self, row: int, start: int, ids: list[int]) -> torch.Tensor:
+        """Prefill checked ``ids`` into ``row`` from position ``start``; logits [1, vocab]."""
+        method = self.role("prefill")
+        tokens = to_device(torch.tensor([ids], dtype=torch.long), self.device)
+        positions = torch.arange(start, start + len(ids), device=self.device)
+        context = (self._arange[:start + len(ids)],) if self._takes_context(method) else ()
+        with torch.inference_mode():
+            return method(tokens, positions, *context, self._rows(row), *self._pools(method))
+
+    def decode(self, rows: list[int], positions: list[int], tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """One batched decode step (see `step.DecodeStep`): logits [n, vocab]."""
+        if self.step is None:
+            raise InputError(f"bundle {self.path} has no decode method; it has {', '.join(self.methods)}")
+        return self.step(rows, positions, tokens)
+
+    def encode(self, row: int, inputs: tuple[torch.Tensor, ...]) -> None:
+        method = self.role("encode")
+        with torch.inference_mode():
+            method(*inputs, self._rows(row), *self._pools(method))
+
+    # -- requests -----------------------------------------------------------------------------------
+    def start(self, req: Request) -> None:
+        """Set up an admitted request on its row: its encode inputs, its sampling state."""
+        if req.encode_inputs is not None:
+            self.encode(req.session.row, req.encode_inputs)
+        self.sampler.admit(req.session.row, req.params, req.prompt)
+
+    def release(self, row: int) -> None:
+        """A request on ``row`` ended: forget its sampling state."""
+        self.sampler.release(row)
+
+    def execute(self, plan: StepPlan, *, overlap: bool) -> Launched:
+        """Queue ``plan``'s device work: the prefill chunk, the decode step, sampling, the copy of the ids.
+
+        With ``overlap`` on CUDA it returns before the ids reach the host, so the next step is queued
+        while this one runs.
+        """
+        logits: dict[int, torch.Tensor] = {}  # -1: the prefill chunk's, 0: the decode step's
+        if plan.prefill is not None:
+            p = plan.prefill
+            logits[-1] = self.prefill(p.row, p.start, p.tokens)
+        draw = self.sampler.plan(plan.sample_rows, plan.sample_positions, plan.sample_first) if plan.sample else None
+        if plan.decode_rows:
+            if plan.fed:
+                packed = to_device(torch.tensor([[r for r, _ in plan.fed], [t for _, t in plan.fed]], dtype=torch.long),
+                                   self.device)
+                self.step.last_token.index_copy_(0, packed[0], packed[1])
+            logits[0] = self.decode(plan.decode_rows, plan.decode_positions)
+        if not plan.sample:
+            return Launched(plan, [], None)
+        tokens = self.sampler.sample(self._gather(plan, logits), draw)
+        if self.step is not None:  # each sampled row's next decode input, left on the device
+            self.step.last_token.index_copy_(0, draw.ints[0], tokens)
+        if not overlap:
+            return Launched(plan, tokens.tolist(), None)  # the one device-to-host copy of the step
+        if tokens.device.type != "cuda":
+            return Launched(plan, tokens, _Ready())  # overlap on a synchronous device: for tests
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)  # the one device-to-host copy of the step
+        ready = torch.cuda.Event()
+        ready.record()
+        return Launched(plan, host, ready)
+
+    def _gather(self, plan: StepPlan, logits: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The logits rows to sample, [n, vocab], in the plan's sample order (usually the decode output as is)."""
+        idx = [i for _, i in plan.sample]
+        if -1 not in idx:
+            out = logits[0]
+            if idx == list(range(out.shape[0])):
+                return out
+            return out.index_select(0, to_device(torch.tensor(idx), out.device))
+        return torch.cat([logits[-1] if i < 0 else logits[0][i:i + 1] for i in idx])
+
+    # -- lifetime -----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free graphs, the pool, the sampler tables and the methods (not the weights: the engine's)."""
+        if self.step is not None and self.step.graphs is not None:
+            self.step.graphs.release()
+        self.step = None
+        self.workspace.clear()
+        self.pool.release_memory()
+        self.sampler.clear()
+        for m in self.methods.values():
+            m.close()
+        self.methods.clear()

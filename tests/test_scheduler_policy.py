@@ -1,0 +1,138 @@
+"""The scheduler as pure policy: plans and bookkeeping with fake sessions, no bundle, no tensors."""
+
+import pytest
+
+from onecopy.errors import QueueFullError
+from onecopy.runtime.scheduler import Request, RequestStatus, Scheduler
+from onecopy.sampling import SamplingParams
+
+
+class FakeSession:
+    def __init__(self, row: int) -> None:
+        self.row, self.position = row, 0
+
+
+class FakeRows:
+    """The engine's part: a free list of rows."""
+
+    def __init__(self, rows: int) -> None:
+        self.free = list(range(rows))
+
+    @property
+    def free_rows(self) -> int:
+        return len(self.free)
+
+    def open_session(self) -> FakeSession:
+        return FakeSession(self.free.pop(0))
+
+
+def request(prompt, max_new_tokens=4, stop=(), session=None) -> Request:
+    return Request(0, list(prompt), SamplingParams(max_new_tokens=max_new_tokens), frozenset(stop), session,
+                   own_session=session is None)
+
+
+def scheduler(rows=2, chunk=4, **kw) -> Scheduler:
+    return Scheduler(FakeRows(rows), max_seq_len=64, has_prefill=kw.pop("has_prefill", True), prefill_chunk=chunk, **kw)
+
+
+def test_requests_wait_for_rows_in_order_and_own_sessions_go_ahead():
+    s = scheduler(rows=1)
+    a, b = request([1, 2]), request([3])
+    mine = request([4], session=FakeSession(7))
+    for r in (a, b, mine):
+        s.add(r)
+    assert s.admit() == [a, mine]  # b waits for a row; the request on its own session does not
+    assert (a.session.row, a.status, b.status) == (0, RequestStatus.PREFILLING, RequestStatus.WAITING)
+    assert (s.waiting, s.running) == (1, 2)
+
+
+def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_others_decode():
+    s = scheduler(rows=2, chunk=4)
+    short, long = request([1, 2]), request(list(range(10, 20)))
+    s.add(short), s.add(long)
+    s.admit()
+    p1 = s.schedule()  # short's whole prompt; nothing decodes yet
+    assert (p1.prefill.request, p1.prefill.start, p1.prefill.tokens) == (short, 0, [1, 2])
+    assert p1.sample == [(short, -1)] and p1.sample_positions == [2] and p1.sample_first == [True]
+    s.update(p1, [50])
+    p2 = s.schedule()  # long's first chunk, and short decodes its first sampled token at position 2
+    assert (p2.prefill.request, p2.prefill.start, p2.prefill.tokens) == (long, 0, [10, 11, 12, 13])
+    assert p2.decode_rows == [short.session.row] and p2.decode_positions == [2] and p2.fed == []
+    assert p2.sample == [(short, 0)] and p2.sample_positions == [3] and p2.sample_first == [False]
+    p3 = s.schedule()
+    assert p3.prefill.tokens == [14, 15, 16, 17] and p3.prefill.start == 4 and p3.decode_positions == [3]
+    p4 = s.schedule()  # long's last chunk: its logits are sampled, first
+    assert p4.prefill.tokens == [18, 19] and p4.sample == [(long, -1), (short, 0)] and p4.sample_first == [True, False]
+    assert s.stats.prefill_chunks == 4 and s.stats.decode_steps == 3
+
+
+def test_ids_stream_and_stop_rules_finish_requests():
+    s = scheduler(rows=3)
+    stops, runs_out = request([1], max_new_tokens=10, stop=[99]), request([2], max_new_tokens=2)
+    s.add(stops), s.add(runs_out)
+    s.admit()
+    plans = [s.schedule() for _ in range(2)]
+    assert s.update(plans[0], [5]) == [(stops, 5)]  # only stops was prefilled in the first step
+    assert plans[1].sampled == [runs_out, stops]  # the prefilled request's logits come first
+    assert s.update(plans[1], [6, 99]) == [(runs_out, 6), (stops, 99)]
+    assert stops.finish_reason == "stop" and runs_out.status is RequestStatus.DECODING
+    p = s.schedule()
+    assert p.sample == [(runs_out, 0)] and runs_out.exhausted  # its last token is launched
+    s.update(p, [7])
+    assert runs_out.finish_reason == "length" and s.take_finished() == [stops, runs_out] and s.running == 0
+
+
+def test_an_extra_step_after_a_stop_id_is_dropped_and_its_position_undone():
+    """Overlapped steps: step t+1 is planned before step t's ids arrive."""
+    s = scheduler(rows=1)
+    r = request([1, 2, 3], max_new_tokens=10, stop=[99])
+    s.add(r)
+    s.admit()
+    p1 = s.schedule()
+    p2 = s.schedule()  # planned before p1's id is known
+    assert r.session.position == 4
+    s.update(p1, [99])
+    assert r.finish_reason == "stop" and r.session.position == 3  # the prompt; the stop id was never fed
+    assert s.update(p2, [42]) == []
+
+
+def test_max_batch_rotates_the_rows_of_a_step():
+    s = scheduler(rows=3, max_batch=2)
+    reqs = [request([i + 1], max_new_tokens=20) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    s.admit()
+    for _ in range(3):  # prefill each
+        s.update(s.schedule(), [0])
+    rows = [s.schedule().decode_rows for _ in range(3)]
+    assert rows == [[0, 1], [2, 0], [1, 2]]
+
+
+def test_without_prefill_prompts_go_through_decode_and_only_the_last_prompt_token_is_sampled():
+    s = scheduler(rows=1, has_prefill=False)
+    r = request([7, 8, 9])
+    s.add(r)
+    s.admit()
+    plans = [s.schedule() for _ in range(3)]
+    assert [p.fed for p in plans] == [[(0, 7)], [(0, 8)], [(0, 9)]]
+    assert [p.sample for p in plans] == [[], [], [(r, 0)]] and plans[2].sample_positions == [3]
+
+
+def test_cancelled_requests_finish_at_the_next_admission():
+    s = scheduler(rows=1)
+    running, waiting = request([1]), request([2])
+    s.add(running), s.add(waiting)
+    s.admit()
+    running.cancel_requested = waiting.cancel_requested = True
+    assert s.admit() == []
+    assert [r.finish_reason for r in s.take_finished()] == ["cancelled", "cancelled"]
+    assert (s.running, s.waiting) == (0, 0)
+
+
+def test_the_queue_bound_counts_only_requests_no_free_row_will_take():
+    s = scheduler(rows=2, max_queue=1)
+    for _ in range(3):  # two fit the free rows, one waits
+        s.add(request([1]))
+    with pytest.raises(QueueFullError, match="1 requests already wait for a free row"):
+        s.add(request([1]))
+    assert s.stats.requests_submitted == 3
