@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -171,6 +172,9 @@ def parse_size(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="onecopy", description=__doc__)
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="what onecopy logs to stderr (info: loads, pool sizing, graph capture, failures; debug: "
+                        "every request admitted and finished); default warning")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     r = sub.add_parser("run", help="generate a reply to PROMPT (default: the embedded SmolLM2-135M-Instruct)")
@@ -258,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("onecopy").setLevel(args.log_level.upper())
     try:
         return args.fn(args)
     except OnecopyError as e:

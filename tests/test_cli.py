@@ -56,3 +56,13 @@ def test_export_from_hf_checkpoint_dir(tmp_path, tiny_source):
     from .conftest import hf_greedy
 
     assert got == hf_greedy(tiny_source, [1, 2, 3], 5)
+
+
+def test_log_level_info_says_how_the_engine_was_set_up_and_default_is_quiet(tiny_bundle):
+    args = ("run", "--bundle", str(tiny_bundle), "--raw", "--max-new-tokens", "2", " hello")
+    r = onecopy("--log-level", "debug", *args)
+    assert r.returncode == 0, r.stderr
+    assert "onecopy.engine INFO" in r.stderr and "CPU default" in r.stderr  # the pool sizing rule
+    assert "onecopy.loop DEBUG request 0 finished: length" in r.stderr
+    r = onecopy(*args)
+    assert r.returncode == 0 and "onecopy." not in r.stderr

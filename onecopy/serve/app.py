@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -21,15 +22,17 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import InputError, OnecopyError, QueueFullError
+from ..errors import EngineClosedError, EngineFailedError, InputError, OnecopyError, QueueFullError
 from ..runtime.engine import Engine
-from ..runtime.scheduler import TokenStream
+from ..runtime.loop import TokenStream
 from ..runtime.session import Session
 from .conversations import ConversationCache
 from .errors import APIError, bad_request
 from .metrics import ServerMetrics
 from .protocol import GenerationRequest, check_model, parse_generation, parse_json
 from .text import ReplyText
+
+log = logging.getLogger("onecopy.serve")
 
 
 @dataclass
@@ -58,7 +61,24 @@ class _Generation:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def finish_reason(self) -> str:
+        """OpenAI's reason for a reply that ended well (a failed one is `failure`'s)."""
         return "stop" if self.reply.stopped or self.stream.finish_reason == "stop" else "length"
+
+    def failure(self, error: BaseException | None = None) -> APIError | None:
+        """The error to send when the request did not end well (cancelled or failed), else None."""
+        s = self.stream
+        if error is None and (self.reply.stopped or s.finish_reason not in ("cancelled", "error")):
+            return None
+        error = error or s.error
+        if isinstance(error, (EngineClosedError, EngineFailedError)):
+            return APIError(503, str(error), type="server_error", code="engine_unavailable")
+        if isinstance(error, OnecopyError):
+            return APIError(500, str(error), type="server_error")
+        if error is not None:
+            log.error("request %s failed", self.id, exc_info=error)
+            return APIError(500, f"the request failed inside the server (request id {self.id}; the server log has "
+                                 "the details)", type="server_error")
+        return APIError(500, f"the request was {s.finish_reason} before it finished", type="server_error")
 
     def usage(self) -> dict[str, int]:
         prompt = len(self.req.prompt_ids)
@@ -101,10 +121,11 @@ class _Generation:
     async def events(self) -> AsyncIterator[str]:
         """The SSE stream; a client that goes away cancels the request (its row frees within an iteration)."""
         loop = asyncio.get_running_loop()
-        finished = False
+        finished, status = False, 200
         try:
             if self.req.kind == "chat":
                 yield self.chunk({"role": "assistant", "content": ""})
+            failed = None
             try:
                 async for token_id in self.stream:
                     piece = self.reply.push(token_id)
@@ -112,9 +133,13 @@ class _Generation:
                         yield self.chunk(self.text_delta(piece))
                     if self.reply.stopped:
                         break
-            except OnecopyError as e:
-                yield f"data: {json.dumps(APIError(500, str(e), type='server_error').body())}\n\n"
+            except Exception as e:  # the stream raises its request's error: an error event, then [DONE]
+                failed = self.failure(e)
+            failed = failed or self.failure()
+            if failed is not None:
+                yield f"data: {json.dumps(failed.body())}\n\n"
                 yield "data: [DONE]\n\n"
+                finished, status = True, failed.status
                 return
             tail = self.reply.flush()
             if tail:
@@ -131,21 +156,27 @@ class _Generation:
         finally:
             if not finished:
                 self.stream.cancel(wait=False)  # never block the event loop; the loop frees the row
-            loop.run_in_executor(None, self._settle_and_count, 200 if finished else 499)
+            loop.run_in_executor(None, self._settle_and_count, status if finished else 499)
 
     def _settle_and_count(self, status: int) -> None:
         self.settle()
         self.state.count(self.req.kind, status, self.stream, self.reused)
 
     async def collect(self) -> dict[str, Any]:
-        text = []
+        text, failed = [], None
         try:
             async for token_id in self.stream:
                 text.append(self.reply.push(token_id))
                 if self.reply.stopped:
                     break
+        except Exception as e:
+            failed = self.failure(e)
         finally:
             await run_in_threadpool(self.settle)
+        failed = failed or self.failure()
+        if failed is not None:
+            self.state.count(self.req.kind, failed.status, self.stream, self.reused)
+            raise failed
         text.append(self.reply.flush())
         self.state.count(self.req.kind, 200, self.stream, self.reused)
         content = "".join(text)
@@ -234,8 +265,11 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         return JSONResponse(APIError(e.status_code, str(e.detail), code=code).body(), status_code=e.status_code)
 
     @app.exception_handler(Exception)
-    async def server_error(_: Request, e: Exception) -> JSONResponse:
-        return JSONResponse(APIError(500, f"internal error: {e!r}", type="server_error").body(), status_code=500)
+    async def server_error(request: Request, e: Exception) -> JSONResponse:
+        ref = uuid.uuid4().hex[:12]
+        log.error("internal error %s on %s", ref, request.url.path, exc_info=e)
+        return JSONResponse(APIError(500, f"internal server error (reference {ref}; the server log has the details)",
+                                     type="server_error").body(), status_code=500)
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
@@ -251,6 +285,8 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        if engine.failed:
+            return JSONResponse({"status": "failed", "reason": engine.failed}, status_code=503)
         if state.shutting_down or engine.closed:
             return JSONResponse({"status": "shutting down"}, status_code=503)
         return JSONResponse({"status": "ok", "rows_free": engine.capacity(), "running": engine.scheduler.running,
@@ -278,12 +314,12 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             cache = state.cache if kind == "chat" else None  # conversations are chats; completions leave no state
             session, reused = cache.take(req.prompt_ids) if cache is not None else (None, 0)
             try:
-                stream = engine.scheduler.submit(req.prompt_ids[reused:], req.params, session=session,
-                                                 keep_session=session is None and cache is not None,
-                                                 stop_ids=[] if req.ignore_eos else None)
+                stream = engine.submit(req.prompt_ids[reused:], req.params, session=session,
+                                   keep_session=session is None and cache is not None,
+                                   stop_ids=[] if req.ignore_eos else None)
             except BaseException:
-                if session is not None:
-                    state.cache.put(session, req.prompt_ids[:reused])  # untouched: keep it for the next turn
+                if session is not None:  # untouched: keep it for the next turn (off the event loop: it may evict)
+                    await run_in_threadpool(state.cache.put, session, req.prompt_ids[:reused])
                 raise
         except QueueFullError as e:
             state.count(endpoint, 429)
@@ -292,6 +328,9 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         except InputError as e:
             state.count(endpoint, 400)
             raise bad_request(str(e), code="invalid_value") from None
+        except (EngineClosedError, EngineFailedError) as e:
+            state.count(endpoint, 503)
+            raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
         except APIError as e:
             state.count(endpoint, e.status)
             raise

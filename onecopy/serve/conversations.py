@@ -37,14 +37,16 @@ class ConversationCache:
 
     def take(self, prompt_ids: list[int]) -> tuple[Session | None, int]:
         """The cached session holding the longest proper prefix of ``prompt_ids`` (removed from the
-        cache: it is the caller's now), and how many tokens it already holds; (None, 0) if none."""
-        self.expire()
+        cache: it is the caller's now), and how many tokens it already holds; (None, 0) if none.
+        Expired entries are passed over, not closed: closing takes the engine's lock, and this runs on
+        the server's event loop (`expire` closes them, off the loop)."""
+        now = time.monotonic()
         with self._lock:
             best = None
             for e in self._entries:
                 n = len(e.tokens)
                 if n < len(prompt_ids) and (best is None or n > len(best.tokens)) and prompt_ids[:n] == e.tokens \
-                        and not e.session.closed:
+                        and not e.session.closed and now - e.last_used <= self.ttl_s:
                     best = e
             if best is None:
                 return None, 0
