@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
+from .. import kernels
 from .attention import Step, attend_pooled
 from .base import MethodDef, PooledModel, as_method, pooled_methods
 from .projections import by_rows, fused_decode, linear, rms_norm, sum_of_squares

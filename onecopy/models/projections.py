@@ -18,18 +18,15 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from . import invariant, kernels
+from .. import kernels
+from . import invariant
 
 
 def fused_decode(x: torch.Tensor, decode: bool) -> bool:
-    """Whether a method traced with ``x`` takes the fused path: a decode step on a CUDA device with Triton
-    (then the kernel ops are registered here, outside the ``torch.cond`` branches that call them), not
-    batch-invariant: the partial sums of squares a norm fold passes on are reduced in an order that
+    """Whether a method traced with ``x`` takes the fused path: a decode step on a CUDA device with Triton,
+    not batch-invariant: the partial sums of squares a norm fold passes on are reduced in an order that
     depends on the rows per program, so the invariant decode runs its norms apart (`invariant`)."""
-    if not (decode and x.is_cuda and kernels.available()) or invariant.active():
-        return False
-    kernels.register()
-    return True
+    return decode and x.is_cuda and kernels.available() and not invariant.active()
 
 
 def by_rows(rows: int | torch.SymInt, few: Callable[..., Any], many: Callable[..., Any],
