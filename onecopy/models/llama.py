@@ -9,7 +9,6 @@ return only the last position's logits: generation never needs the others.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -20,7 +19,8 @@ from torch import nn
 from .. import kernels
 from .attention import Step, attend_pooled
 from .base import MethodDef, PooledModel, as_method, pooled_methods
-from .projections import by_rows, fused_decode, linear, rms_norm, sum_of_squares
+from .layers import FeedForward, RMSNorm, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
+from .projections import by_rows, fused_decode, linear, sum_of_squares
 
 
 @dataclass
@@ -56,78 +56,6 @@ class LlamaConfig:
         return cls(**d)
 
 
-def rope_inv_freq(cfg: LlamaConfig, dim: int | None = None) -> tuple[torch.Tensor, float]:
-    """Inverse RoPE frequencies over ``dim`` (default: the head) and the cos/sin scale for the config's
-    scaling variant (``cfg`` needs rope_theta, rope_scaling, max_position_embeddings).
-
-    Follows transformers' ``ROPE_INIT_FUNCTIONS`` for default, linear, llama3 and yarn.
-    """
-    dim = dim or cfg.head_dim
-    base = cfg.rope_theta
-    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = dict(cfg.rope_scaling or {})
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return inv, 1.0
-    if kind == "linear":
-        return inv / scaling["factor"], 1.0
-    if kind == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_ctx = scaling["original_max_position_embeddings"]
-        low_wl, high_wl = old_ctx / low, old_ctx / high
-        wavelen = 2 * math.pi / inv
-        out = torch.where(wavelen > low_wl, inv / factor, inv)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * out / factor + smooth * out
-        medium = ~(wavelen < high_wl) * ~(wavelen > low_wl)
-        return torch.where(medium, smoothed, out), 1.0
-    if kind == "yarn":
-        factor = scaling["factor"]
-        old_ctx = scaling.get("original_max_position_embeddings") or cfg.max_position_embeddings
-        beta_fast, beta_slow = scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)
-        mscale = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
-
-        def corr_dim(rot: float) -> float:
-            return (dim * math.log(old_ctx / (rot * 2 * math.pi))) / (2 * math.log(base))
-
-        lo = max(math.floor(corr_dim(beta_fast)), 0)
-        hi = min(math.ceil(corr_dim(beta_slow)), dim - 1)
-        if lo == hi:
-            hi += 0.001
-        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
-        extrapolation = 1 - ramp
-        pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
-        inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-        return inv, float(mscale)
-    raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3, yarn")
-
-
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype,
-                 decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin at ``positions`` (angles in fp32, as transformers computes them), in ``dtype``, shaped
-    [B, 1, 1, D] for decode (one position per session) or [1, T, 1, D] for a prefill chunk."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
-    return tuple(c[:, None, None, :] if decode else c[None, :, None, :] for c in (cos, sin))
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -156,23 +84,9 @@ class Attention(nn.Module):
         v = v.view(n, t, self.n_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin  # cos, sin: [N or 1, T, 1, D]
-        k = k * cos + rotate_half(k) * sin
+        q = apply_rope(q, cos, sin)  # cos, sin: [N or 1, T, 1, D]
+        k = apply_rope(k, cos, sin)
         return attend_pooled(q, k, v, step, k_pool, v_pool).reshape(n, t, q_size)
-
-
-class FeedForward(nn.Module):
-    """SwiGLU with gate and up fused into one GEMM (w13)."""
-
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.hidden = hidden
-        self.w13 = nn.Linear(dim, 2 * hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).split([self.hidden, self.hidden], dim=-1)
-        return self.w2(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -211,8 +125,7 @@ class Block(nn.Module):
 
         def rest_many(y, x, wo, g, w13, w2):
             h = x + F.linear(y, wo)
-            gate, up = F.linear(rms_norm(h, g, eps), w13).split([ffn.hidden, ffn.hidden], dim=-1)
-            out = h + F.linear(F.silu(gate) * up, w2)
+            out = h + swiglu(rms_norm(h, g, eps), w13, w2)  # FeedForward's ops on the branch's operands
             # Same outputs as the few-rows branch; the sums are unused here (the norms recompute them).
             return out, out.new_empty((out.shape[0], kernels.small_linear_programs(dim, False)), dtype=torch.float32)
 

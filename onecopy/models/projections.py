@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from .. import kernels
 from . import invariant
+from .layers import rms_norm
 
 
 def fused_decode(x: torch.Tensor, decode: bool) -> bool:
@@ -45,7 +46,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear`` of a decode step's rows [B, K]: the small-linear kernel for a few, cuBLAS for more.
 
     ``norm`` = (weight, partial sums of squares of x's rows, eps): an RMSNorm of ``x`` first, folded
-    into the kernel for a few rows (see `kernels.small_linear`), `rms_norm` for more.
+    into the kernel for a few rows (see `kernels.small_linear`), `layers.rms_norm` for more.
     """
     nw, ss, eps = norm if norm is not None else (None, None, 0.0)
 
@@ -64,10 +65,3 @@ def sum_of_squares(x: torch.Tensor) -> torch.Tensor:
     """Each row's sum of squares in fp32 [B, 1]: the one partial sum a norm folded into `linear` needs
     for a row that no small-linear kernel produced (the embedding output)."""
     return x.float().pow(2).sum(-1, keepdim=True)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in transformers' op order (normalize in fp32, scale in the model dtype)."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)

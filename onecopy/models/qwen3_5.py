@@ -36,8 +36,8 @@ from ..errors import ModelSourceError
 from .attention import Step, attend_pooled
 from .base import MethodDef, PooledModel, as_method, pooled_methods
 from .hf_checkpoint import CheckpointTensors, read_safetensors
-from . import llama
-from .llama import FeedForward, rope_cos_sin, rope_inv_freq, rotate_half
+from . import layers
+from .layers import FeedForward, apply_rope, rope_cos_sin, rope_inv_freq
 
 LINEAR, FULL = "linear_attention", "full_attention"
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -126,7 +126,7 @@ class RMSNorm(nn.Module):
         return (h * (1.0 + self.weight.float())).type_as(x)
 
 
-class GatedRMSNorm(llama.RMSNorm):
+class GatedRMSNorm(layers.RMSNorm):
     """The DeltaNet output norm: Llama's ``w * norm(x)`` (plain weight) times ``silu(gate)`` in fp32."""
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -246,21 +246,14 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        r = self.rotary_dim
-        if r == self.head_dim:
-            return x * cos + rotate_half(x) * sin
-        rot, rest = x[..., :r], x[..., r:]
-        return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
-
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Step,
                 k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         n, t, _ = x.shape
         hd, q_size, kv_size = self.head_dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         qg, k, v = self.wqkv(x).split([2 * q_size, kv_size, kv_size], dim=-1)
         q, gate = qg.view(n, t, self.n_heads, 2 * hd).chunk(2, dim=-1)  # per head: [query | gate]
-        q = self._rope(self.q_norm(q), cos, sin)
-        k = self._rope(self.k_norm(k.view(n, t, self.n_kv_heads, hd)), cos, sin)
+        q = apply_rope(self.q_norm(q), cos, sin, self.rotary_dim)
+        k = apply_rope(self.k_norm(k.view(n, t, self.n_kv_heads, hd)), cos, sin, self.rotary_dim)
         v = v.view(n, t, self.n_kv_heads, hd)
         y = attend_pooled(q, k, v, step, k_pool, v_pool)
         y = y.reshape(n, t, q_size) * torch.sigmoid(gate.reshape(n, t, q_size))

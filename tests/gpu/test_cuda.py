@@ -225,7 +225,7 @@ def test_decode_attention_with_rope_and_cache_write_matches_float64():
     float64 torch ops: first position, mid-block, block and split boundaries, the pool's last position."""
     from onecopy import kernels
     from onecopy.models.attention import pooled_attention
-    from onecopy.models.llama import rotate_half
+    from onecopy.models.layers import rotate_half
 
     torch.manual_seed(0)
     for hq, hkv, d, s, positions in [(32, 8, 128, 4097, [0, 1023, 4096]), (4, 2, 64, 300, [63, 64, 299]),
