@@ -5,12 +5,15 @@ larger GEMVs per step). The KV cache is not a module buffer: it is a state pool 
 session that the runtime passes in, with the rows a call works on (see `attention`). Two methods:
 a batched ``decode`` (one token for each of B sessions) and a one-session ``prefill`` chunk. Both
 return only the last position's logits: generation never needs the others.
+
+Checkpoint conversion is `hf_checkpoint` (and `gguf_file`); presets and random weights are
+`presets` and `random_weights`.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +30,7 @@ from .projections import by_rows, fused_decode, linear, sum_of_squares
 class LlamaConfig:
     """Shape and numerics of a Llama-family model."""
 
+    family: ClassVar[str] = "llama"  # the registry's name for it (`families`)
     vocab_size: int
     dim: int
     n_layers: int
@@ -203,52 +207,3 @@ class Transformer(PooledModel):
             "prefill": (as_method(self, Transformer.prefill), "prefill"),
             "decode": (as_method(self, Transformer.decode), "decode"),
         }, vocab, prefill_context=True)
-
-
-@dataclass
-class Preset:
-    config: LlamaConfig
-    description: str
-    on_device: bool = False  # weights drawn at build time on the export device, in its dtype (large shapes)
-
-
-PRESETS: dict[str, Preset] = {
-    "tiny-llama": Preset(
-        LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128,
-                    max_position_embeddings=256, rope_theta=10000.0),
-        "seeded random 2-layer Llama for tests"),
-    "llama-8l-2048": Preset(
-        LlamaConfig(vocab_size=32000, dim=2048, n_layers=8, n_heads=16, n_kv_heads=8, intermediate_size=5632,
-                    max_position_embeddings=4096, rope_theta=500000.0),
-        "seeded random 8-layer, 2048-wide Llama for benchmarks"),
-    "llama3-8b": Preset(
-        LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate_size=14336,
-                    rms_norm_eps=1e-5, max_position_embeddings=131072, rope_theta=500000.0),
-        "Llama-3-8B shape, seeded random weights drawn on the export device", on_device=True),
-    "llama3-8b-8l": Preset(
-        LlamaConfig(vocab_size=128256, dim=4096, n_layers=8, n_heads=32, n_kv_heads=8, intermediate_size=14336,
-                    rms_norm_eps=1e-5, max_position_embeddings=131072, rope_theta=500000.0),
-        "8 layers of the Llama-3-8B shape (quick benchmarks), random weights drawn on the device", on_device=True),
-    "llama3-1b": Preset(
-        LlamaConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, intermediate_size=8192,
-                    head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=131072, rope_theta=500000.0,
-                    tie_embeddings=True),
-        "Llama-3.2-1B shape, seeded random weights drawn on the export device", on_device=True),
-}
-
-
-def fill_random(model: nn.Module, seed: int) -> None:
-    """Seeded random weights in place, on the model's device and dtype (one generator per tensor):
-    linear weights N(0, 1/fan_in), norms 1 + N(0, 0.01), embeddings N(0, 1); logits stay well separated."""
-    with torch.no_grad():
-        for i, (name, p) in enumerate(model.named_parameters()):
-            g = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + i)
-            x = torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32 if p.device.type == "cpu"
-                            else p.dtype)
-            if name.endswith("norm.weight"):
-                x = 1.0 + 0.1 * x
-            elif p.dim() == 2 and "embeddings" not in name:
-                x = x / p.shape[1] ** 0.5
-            elif p.dim() == 1:  # biases
-                x = 0.1 * x
-            p.copy_(x)

@@ -19,29 +19,25 @@ triangular solve) is batched over the chunks, only the state hand-over between c
 
 A call starting at position 0 starts from a zero state whatever the row holds (the KV cache is
 position-addressed, the recurrent state is not: this keeps "prefill from 0 starts over" true).
+
+Checkpoint conversion is `qwen3_5_convert`; the presets and their random weights are `presets`.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ModelSourceError
+from . import layers
 from .attention import Step, attend_pooled
 from .base import MethodDef, PooledModel, as_method, pooled_methods
-from .hf_checkpoint import CheckpointTensors, read_safetensors
-from . import layers
 from .layers import FeedForward, apply_rope, rope_cos_sin, rope_inv_freq
 
 LINEAR, FULL = "linear_attention", "full_attention"
-MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
-FAMILIES = ("qwen3_5", "qwen3_5_moe")
 MAX_PREFILL_CHUNKS = 32  # most sequential chunk steps in one prefill graph (chunks grow beyond that)
 
 
@@ -414,234 +410,3 @@ class Qwen35(PooledModel):
             "prefill": (as_method(self, Qwen35.prefill), "prefill"),
             "decode": (as_method(self, Qwen35.decode), "decode"),
         }, vocab)
-
-
-# ----------------------------------------------------------------------------------------------- HF checkpoints
-
-def text_config(c: dict[str, Any]) -> dict[str, Any]:
-    """The text part of a config.json (``qwen3_5``/``qwen3_5_moe`` nest it under ``text_config``)."""
-    if c.get("model_type") in ("qwen3_5", "qwen3_5_moe") and isinstance(c.get("text_config"), dict):
-        t = dict(c["text_config"])
-        t.setdefault("model_type", c["model_type"] + "_text")
-        for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
-            if key in c and key not in t:
-                t[key] = c[key]
-        return t
-    return c
-
-
-def config_from_hf(c: dict[str, Any]) -> Qwen35Config:
-    """Translate a transformers config.json dict (ForCausalLM text config or the multimodal one)."""
-    c = text_config(c)
-    model_type = c.get("model_type")
-    if model_type not in MODEL_TYPES:
-        raise ModelSourceError(f"model_type {model_type!r} is not a Qwen3.5 model ({', '.join(MODEL_TYPES)})")
-    if c.get("hidden_act", "silu") != "silu":
-        raise ModelSourceError(f"hidden_act {c['hidden_act']!r} is not supported; Qwen3.5 uses silu")
-    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
-    theta = rope.get("rope_theta") or c.get("rope_theta") or 10000.0
-    prf = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.25))
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    scaling = None
-    if kind != "default":
-        scaling = {k: v for k, v in rope.items()
-                   if k not in ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")}
-    n_layers = c["num_hidden_layers"]
-    layer_types = c.get("layer_types") or [
-        LINEAR if (i + 1) % c.get("full_attention_interval", 4) else FULL for i in range(n_layers)]
-    moe = model_type.startswith("qwen3_5_moe")
-    n_heads = c["num_attention_heads"]
-    try:
-        return Qwen35Config(
-            vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=n_layers, n_heads=n_heads,
-            n_kv_heads=c.get("num_key_value_heads") or n_heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,
-            intermediate_size=0 if moe else c["intermediate_size"], layer_types=list(layer_types),
-            linear_conv_kernel=c.get("linear_conv_kernel_dim", 4), linear_n_k_heads=c.get("linear_num_key_heads", 16),
-            linear_n_v_heads=c.get("linear_num_value_heads", 32), linear_k_head_dim=c.get("linear_key_head_dim", 128),
-            linear_v_head_dim=c.get("linear_value_head_dim", 128), rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta), partial_rotary_factor=float(prf), rope_scaling=scaling,
-            tie_embeddings=bool(c.get("tie_word_embeddings", False)), attention_bias=bool(c.get("attention_bias", False)),
-            max_position_embeddings=c.get("max_position_embeddings", 32768),
-            num_experts=c.get("num_experts", 0) if moe else 0,
-            num_experts_per_tok=c.get("num_experts_per_tok", 0) if moe else 0,
-            moe_intermediate_size=c.get("moe_intermediate_size", 0) if moe else 0,
-            shared_expert_intermediate_size=c.get("shared_expert_intermediate_size", 0) if moe else 0)
-    except (KeyError, ValueError) as e:
-        raise ModelSourceError(f"config.json does not describe a Qwen3.5 text model: {e}") from e
-
-
-def hf_config_from_qwen3_5(cfg: Qwen35Config) -> dict[str, Any]:
-    """The transformers config.json of the text model (``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM``)."""
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta,
-                            "partial_rotary_factor": cfg.partial_rotary_factor}
-    if cfg.rope_scaling:
-        rope.update(cfg.rope_scaling)
-    d: dict[str, Any] = {
-        "architectures": ["Qwen3_5MoeForCausalLM" if cfg.moe else "Qwen3_5ForCausalLM"],
-        "model_type": "qwen3_5_moe_text" if cfg.moe else "qwen3_5_text",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
-        "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps, "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.attention_bias,
-        "layer_types": list(cfg.layer_types), "linear_conv_kernel_dim": cfg.linear_conv_kernel,
-        "linear_key_head_dim": cfg.linear_k_head_dim, "linear_value_head_dim": cfg.linear_v_head_dim,
-        "linear_num_key_heads": cfg.linear_n_k_heads, "linear_num_value_heads": cfg.linear_n_v_heads,
-        "rope_parameters": rope,
-    }
-    if cfg.moe:
-        d.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
-                 moe_intermediate_size=cfg.moe_intermediate_size,
-                 shared_expert_intermediate_size=cfg.shared_expert_intermediate_size)
-    else:
-        d["intermediate_size"] = cfg.intermediate_size
-    return d
-
-
-def hf_to_onecopy(sd: dict[str, torch.Tensor], cfg: Qwen35Config) -> dict[str, torch.Tensor]:
-    """HF names (``model.*`` of the ForCausalLM, or ``model.language_model.*`` of the multimodal
-    checkpoints, whose vision tower and MTP head are skipped) to onecopy FQNs, fusing projections.
-    MoE experts may be stored fused (``experts.gate_up_proj``) or per expert (``experts.N.gate_proj``)."""
-    norm: dict[str, torch.Tensor] = {}
-    for k, v in sd.items():
-        if k.startswith(("model.visual.", "mtp.")) or k.endswith("rotary_emb.inv_freq"):
-            continue
-        norm[k.replace("model.language_model.", "model.", 1)] = v
-    ckpt = CheckpointTensors(norm, f"{cfg.n_layers}-layer Qwen3.5 ({cfg.family}) text model")
-    take = ckpt.take
-
-    def mlp(p: str, a: str) -> dict[str, torch.Tensor]:
-        return {a + "w13.weight": torch.cat([take(p + "gate_proj.weight"), take(p + "up_proj.weight")]),
-                a + "w2.weight": take(p + "down_proj.weight")}
-
-    out = {"embed_tokens.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
-    for i, kind in enumerate(cfg.layer_types):
-        p, a = f"model.layers.{i}.", f"layers.{i}."
-        out[a + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
-        out[a + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
-        if kind == LINEAR:
-            la, oa = p + "linear_attn.", a + "linear_attn."
-            out[oa + "in_proj.weight"] = torch.cat([take(la + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")])
-            out[oa + "conv1d.weight"] = take(la + "conv1d.weight")
-            for n in ("dt_bias", "A_log", "norm.weight", "out_proj.weight"):
-                out[oa + n] = take(la + n)
-        else:
-            sa, oa = p + "self_attn.", a + "self_attn."
-            out[oa + "wqkv.weight"] = torch.cat([take(sa + f"{n}_proj.weight") for n in "qkv"])
-            if cfg.attention_bias:
-                out[oa + "wqkv.bias"] = torch.cat([take(sa + f"{n}_proj.bias") for n in "qkv"])
-                out[oa + "wo.bias"] = take(sa + "o_proj.bias")
-            out[oa + "wo.weight"] = take(sa + "o_proj.weight")
-            out[oa + "q_norm.weight"] = take(sa + "q_norm.weight")
-            out[oa + "k_norm.weight"] = take(sa + "k_norm.weight")
-        m, om = p + "mlp.", a + "mlp."
-        if not cfg.moe:
-            out.update(mlp(m, om))
-            continue
-        out[om + "gate.weight"] = take(m + "gate.weight")
-        if m + "experts.gate_up_proj" in ckpt:
-            out[om + "experts.gate_up_proj"] = take(m + "experts.gate_up_proj")
-            out[om + "experts.down_proj"] = take(m + "experts.down_proj")
-        else:
-            e = range(cfg.num_experts)
-            gate = torch.stack([take(m + f"experts.{j}.gate_proj.weight") for j in e])
-            up = torch.stack([take(m + f"experts.{j}.up_proj.weight") for j in e])
-            out[om + "experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
-            out[om + "experts.down_proj"] = torch.stack([take(m + f"experts.{j}.down_proj.weight") for j in e])
-        out.update(mlp(m + "shared_expert.", om + "shared_expert."))
-        out[om + "shared_expert_gate.weight"] = take(m + "shared_expert_gate.weight")
-    if cfg.tie_embeddings:
-        ckpt.ignore("lm_head.weight")  # tied checkpoints sometimes store the alias too
-    else:
-        out["lm_head.weight"] = take("lm_head.weight")
-    ckpt.check_all_taken()
-    return out
-
-
-def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """config.json (its text part) and every safetensors shard (indexed or not), vision/MTP tensors skipped."""
-    config = text_config(json.loads((path / "config.json").read_text()))
-    config_from_hf(config)  # refuse what this is not before reading weights
-    return config, read_safetensors(path, skip=("model.visual.", "mtp."))
-
-
-# ----------------------------------------------------------------------------------------------- presets
-
-PRESETS: dict[str, Qwen35Config] = {
-    "tiny-qwen3.5": Qwen35Config(
-        vocab_size=512, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, intermediate_size=128,
-        layer_types=[LINEAR, LINEAR, FULL, LINEAR], linear_conv_kernel=4, linear_n_k_heads=2, linear_n_v_heads=4,
-        linear_k_head_dim=16, linear_v_head_dim=16, rope_theta=10000.0, max_position_embeddings=256,
-        linear_chunk_size=32),
-    "tiny-qwen3.5-moe": Qwen35Config(
-        vocab_size=512, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, intermediate_size=0,
-        layer_types=[LINEAR, FULL, LINEAR, FULL], linear_conv_kernel=4, linear_n_k_heads=2, linear_n_v_heads=4,
-        linear_k_head_dim=16, linear_v_head_dim=16, rope_theta=10000.0, max_position_embeddings=256,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
-        linear_chunk_size=32),
-}
-
-
-def random_hf_state_dict(cfg: Qwen35Config, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded weights under transformers' names, scaled so that logits stay well separated."""
-    g = torch.Generator().manual_seed(seed)
-
-    def lin(out_f: int, in_f: int) -> torch.Tensor:
-        return torch.randn(out_f, in_f, generator=g) / in_f ** 0.5
-
-    def small(*shape: int) -> torch.Tensor:  # zero-centred norm weights (the norm scales by 1 + w)
-        return 0.1 * torch.randn(*shape, generator=g)
-
-    hd, dim = cfg.head_dim, cfg.dim
-    sd = {"model.embed_tokens.weight": torch.randn(cfg.vocab_size, dim, generator=g)}
-    for i, kind in enumerate(cfg.layer_types):
-        p = f"model.layers.{i}."
-        if kind == LINEAR:
-            la = p + "linear_attn."
-            key_dim, value_dim = cfg.linear_n_k_heads * cfg.linear_k_head_dim, cfg.linear_n_v_heads * cfg.linear_v_head_dim
-            nv, kern = cfg.linear_n_v_heads, cfg.linear_conv_kernel
-            sd[la + "in_proj_qkv.weight"] = lin(2 * key_dim + value_dim, dim)
-            sd[la + "in_proj_z.weight"] = lin(value_dim, dim)
-            sd[la + "in_proj_b.weight"] = lin(nv, dim)
-            sd[la + "in_proj_a.weight"] = lin(nv, dim)
-            sd[la + "conv1d.weight"] = torch.randn(2 * key_dim + value_dim, 1, kern, generator=g) / kern ** 0.5
-            sd[la + "dt_bias"] = 1.0 + small(nv)
-            sd[la + "A_log"] = torch.empty(nv).uniform_(0.05, 2.0, generator=g).log()
-            sd[la + "norm.weight"] = 1.0 + small(cfg.linear_v_head_dim)
-            sd[la + "out_proj.weight"] = lin(dim, value_dim)
-        else:
-            sa = p + "self_attn."
-            sd[sa + "q_proj.weight"] = lin(2 * cfg.n_heads * hd, dim)
-            sd[sa + "k_proj.weight"] = lin(cfg.n_kv_heads * hd, dim)
-            sd[sa + "v_proj.weight"] = lin(cfg.n_kv_heads * hd, dim)
-            if cfg.attention_bias:
-                for n, size in (("q", 2 * cfg.n_heads * hd), ("k", cfg.n_kv_heads * hd), ("v", cfg.n_kv_heads * hd),
-                                ("o", dim)):
-                    sd[sa + f"{n}_proj.bias"] = small(size)
-            sd[sa + "o_proj.weight"] = lin(dim, cfg.n_heads * hd)
-            sd[sa + "q_norm.weight"], sd[sa + "k_norm.weight"] = small(hd), small(hd)
-        m = p + "mlp."
-        if cfg.moe:
-            e, hid = cfg.num_experts, cfg.moe_intermediate_size
-            sd[m + "gate.weight"] = lin(e, dim)
-            sd[m + "experts.gate_up_proj"] = torch.randn(e, 2 * hid, dim, generator=g) / dim ** 0.5
-            sd[m + "experts.down_proj"] = torch.randn(e, dim, hid, generator=g) / hid ** 0.5
-            m, hid = m + "shared_expert.", cfg.shared_expert_intermediate_size
-            sd[p + "mlp.shared_expert_gate.weight"] = lin(1, dim)
-        else:
-            hid = cfg.intermediate_size
-        sd[m + "gate_proj.weight"] = lin(hid, dim)
-        sd[m + "up_proj.weight"] = lin(hid, dim)
-        sd[m + "down_proj.weight"] = lin(dim, hid)
-        sd[p + "input_layernorm.weight"] = small(dim)
-        sd[p + "post_attention_layernorm.weight"] = small(dim)
-    sd["model.norm.weight"] = small(dim)
-    if not cfg.tie_embeddings:
-        sd["lm_head.weight"] = lin(cfg.vocab_size, dim)
-    return sd
-
-
-def preset(name: str, seed: int = 0) -> tuple[Qwen35Config, dict[str, torch.Tensor]]:
-    """A preset's config (a copy) and its seeded random weights under transformers' names."""
-    cfg = Qwen35Config.from_dict(PRESETS[name].to_dict())
-    return cfg, random_hf_state_dict(cfg, seed)
