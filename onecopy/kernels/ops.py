@@ -23,11 +23,13 @@ from .tiles import SMALL_LINEAR_ROWS, prefill_tiles, small_linear_tiles
 
 def available() -> bool:
     """True when Triton and a CUDA device are usable in this process."""
+    if not torch.cuda.is_available():  # first: a CPU-only process with Triton installed never imports it
+        return False
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
-    return torch.cuda.is_available()
+    return True
 
 
 def _define_ops() -> None:
