@@ -27,7 +27,8 @@ import triton.language as tl
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from onecopy.models import kernels  # noqa: E402
+from onecopy import kernels  # noqa: E402
+from onecopy.kernels.decode import _kernels as decode_kernels  # noqa: E402
 from onecopy.models.attention import pooled_attention, pooled_attention_torch  # noqa: E402
 
 PAGE = 64
@@ -74,7 +75,7 @@ PAGED_SPLIT = 256
 
 def paged_attention(q, k_pages, v_pages, table, lengths, s):
     """KV in pages [NB, Hkv, PAGE, D]; table [B, S/PAGE] of page ids."""
-    _, merge_kernel = kernels._kernels()
+    _, merge_kernel = decode_kernels()
     b, hq, d = q.shape
     hkv = k_pages.shape[1]
     g = hq // hkv

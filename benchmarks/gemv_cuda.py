@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from onecopy.bench.decode import copy_bandwidth  # noqa: E402
-from onecopy.models import kernels  # noqa: E402
+from onecopy import kernels  # noqa: E402
 
 # name: (N, K, SwiGLU after, residual add after)
 SHAPES = {

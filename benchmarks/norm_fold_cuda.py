@@ -24,8 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gemv_cuda import graph_ms  # noqa: E402
-from onecopy.models import kernels  # noqa: E402
-from onecopy.models.projections import rms_norm, sum_of_squares  # noqa: E402
+from onecopy import kernels  # noqa: E402
+from onecopy.models.layers import rms_norm  # noqa: E402
+from onecopy.models.projections import sum_of_squares  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096, False), "gate_up": (28672, 4096, True), "lm_head": (128256, 4096, False),
           "o": (4096, 4096, False), "down": (4096, 14336, False)}

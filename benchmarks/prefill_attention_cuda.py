@@ -28,7 +28,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from onecopy.models import kernels  # noqa: E402
+from onecopy import kernels  # noqa: E402
 from onecopy.models.attention import chunk_attention, read_row  # noqa: E402
 
 TILES = {

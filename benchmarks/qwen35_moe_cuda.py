@@ -32,13 +32,15 @@ sys.path.insert(0, str(ROOT))
 
 import onecopy  # noqa: E402
 from onecopy.models import qwen3_5  # noqa: E402
+from onecopy.models.presets import PRESETS, random_hf_state_dict  # noqa: E402
+from onecopy.models.qwen3_5_convert import hf_config_from_qwen3_5  # noqa: E402
 from onecopy.models.source import ModelSource, byte_tokenizer_json  # noqa: E402
 
 
 def config(layers: int, tiny: bool) -> qwen3_5.Qwen35Config:
     kinds = [qwen3_5.FULL if (i + 1) % 4 == 0 or i == layers - 1 else qwen3_5.LINEAR for i in range(layers)]
     if tiny:  # a dry run on CPU
-        return qwen3_5.Qwen35Config(**{**qwen3_5.PRESETS["tiny-qwen3.5-moe"].to_dict(), "n_layers": layers,
+        return qwen3_5.Qwen35Config(**{**PRESETS["tiny-qwen3.5-moe"].config.to_dict(), "n_layers": layers,
                                        "layer_types": kinds})
     return qwen3_5.Qwen35Config(vocab_size=248320, dim=2048, n_layers=layers, n_heads=16, n_kv_heads=2, head_dim=256,
                                 intermediate_size=0, layer_types=kinds, linear_conv_kernel=4, linear_n_k_heads=16,
@@ -71,7 +73,7 @@ def main() -> None:
     dev, dtype = ("cpu", torch.float32) if a.tiny else ("cuda", torch.bfloat16)
     cfg = config(a.layers, a.tiny)
     t0 = time.perf_counter()
-    sd = {k: v.to(dtype) for k, v in qwen3_5.random_hf_state_dict(cfg, seed=0).items()}
+    sd = {k: v.to(dtype) for k, v in random_hf_state_dict(cfg, seed=0).items()}
     src = ModelSource(name="qwen3.5-moe-shape", config=cfg, hf_state_dict=sd, tokenizer_json=byte_tokenizer_json(512),
                       eos_token_ids=[cfg.vocab_size - 1], family=cfg.family)
     bundle = Path(a.work) / f"qwen35-moe-{a.layers}l-{dev}"
@@ -113,7 +115,7 @@ def main() -> None:
     # transformers eager on the same tensors
     import transformers
 
-    hf_cfg = transformers.Qwen3_5MoeTextConfig(**{k: v for k, v in qwen3_5.hf_config_from_qwen3_5(cfg).items()
+    hf_cfg = transformers.Qwen3_5MoeTextConfig(**{k: v for k, v in hf_config_from_qwen3_5(cfg).items()
                                                   if k != "model_type"})
     hf_cfg._attn_implementation = "eager"
     model = transformers.Qwen3_5MoeForCausalLM(hf_cfg).to(dtype).eval()

@@ -8,7 +8,8 @@ from safetensors.torch import save_file
 
 from onecopy.errors import ModelSourceError
 from onecopy.models.hf_checkpoint import llama_config_from_hf, read_hf_checkpoint
-from onecopy.models.source import ModelSource, byte_tokenizer_json, random_hf_state_dict, resolve_source
+from onecopy.models.presets import random_hf_state_dict
+from onecopy.models.source import ModelSource, byte_tokenizer_json, resolve_source
 
 IDS = [3, 17, 99, 250, 4, 77, 12]
 
@@ -106,8 +107,9 @@ def test_bad_checkpoints(tmp_path):
 def test_checkpoint_tensors_must_match_the_architecture():
     """A checkpoint that lacks a tensor the config needs, or holds one nothing maps (a deeper model
     read with a shallower config), is refused by name, for both families."""
-    from onecopy.models import qwen3_5
+    from onecopy.models import qwen3_5_convert
     from onecopy.models.hf_checkpoint import hf_to_onecopy
+    from onecopy.models.presets import PRESETS
 
     cfg = llama_config_from_hf(_hf_config("llama"))
     sd = random_hf_state_dict(cfg, seed=1)
@@ -116,10 +118,10 @@ def test_checkpoint_tensors_must_match_the_architecture():
         hf_to_onecopy({k: v for k, v in sd.items() if k != "model.layers.1.mlp.down_proj.weight"}, cfg)
     with pytest.raises(ModelSourceError, match=r"does not map: \['model.layers.2.input_layernorm.weight'\]"):
         hf_to_onecopy({**sd, "model.layers.2.input_layernorm.weight": torch.ones(64)}, cfg)
-    qcfg = qwen3_5.PRESETS["tiny-qwen3.5-moe"]
-    qsd = qwen3_5.random_hf_state_dict(qcfg, seed=1)
-    assert set(qwen3_5.hf_to_onecopy(qsd, qcfg)) >= {"layers.0.mlp.experts.gate_up_proj"}
+    qcfg = PRESETS["tiny-qwen3.5-moe"].config
+    qsd = random_hf_state_dict(qcfg, seed=1)
+    assert set(qwen3_5_convert.hf_to_onecopy(qsd, qcfg)) >= {"layers.0.mlp.experts.gate_up_proj"}
     with pytest.raises(ModelSourceError, match=r"lacks tensor 'model.norm.weight'; is this a \d+-layer Qwen3.5 "):
-        qwen3_5.hf_to_onecopy({k: v for k, v in qsd.items() if k != "model.norm.weight"}, qcfg)
+        qwen3_5_convert.hf_to_onecopy({k: v for k, v in qsd.items() if k != "model.norm.weight"}, qcfg)
     with pytest.raises(ModelSourceError, match=r"does not map: \['model.extra.weight'\]"):
-        qwen3_5.hf_to_onecopy({**qsd, "model.extra.weight": torch.ones(1)}, qcfg)
+        qwen3_5_convert.hf_to_onecopy({**qsd, "model.extra.weight": torch.ones(1)}, qcfg)

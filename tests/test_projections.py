@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from onecopy.export.exporter import EXTERNAL_WEIGHTS
-from onecopy.models import kernels
+from onecopy import kernels
 from onecopy.models.projections import by_rows
 
 

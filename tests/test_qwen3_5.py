@@ -12,6 +12,7 @@ import torch
 
 import onecopy
 from onecopy.models import qwen3_5
+from onecopy.models.qwen3_5_convert import hf_config_from_qwen3_5
 from onecopy.models.source import ModelSource, preset_source, resolve_source
 
 VARIANTS = ["tiny-qwen3.5", "tiny-qwen3.5-moe"]
@@ -143,7 +144,7 @@ def test_multimodal_sharded_checkpoint_loads(tmp_path):
 
     src = preset_source("tiny-qwen3.5-moe")
     cfg = src.config
-    text = qwen3_5.hf_config_from_qwen3_5(cfg)
+    text = hf_config_from_qwen3_5(cfg)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "architectures": [
         "Qwen3_5MoeForConditionalGeneration"], "text_config": text, "vision_config": {"depth": 1},
         "eos_token_id": 7}))

@@ -14,7 +14,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..models.llama import LlamaConfig, rope_inv_freq
+from ..models.layers import rope_inv_freq
+from ..models.llama import LlamaConfig
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 Both are turned into transformers' WhisperForConditionalGeneration names (`model.encoder...`),
 which the onecopy Whisper module uses as is. CTranslate2 fuses self-attention q/k/v (with a zero
-k bias) and cross-attention k/v; they are split here.
+k bias) and cross-attention k/v; they are split here. `read_ct2_dir` and `read_hf_dir` give a
+directory's `source.ModelSource` fields, the generation defaults (`whisper_generation`) included.
 """
 
 from __future__ import annotations
@@ -158,3 +159,54 @@ def whisper_generation_from_hf(path: Path) -> dict[str, Any]:
     g = json.loads(gen_file.read_text())
     return {"suppress_ids": g.get("suppress_tokens") or [], "suppress_ids_begin": g.get("begin_suppress_tokens") or [],
             "lang_ids": sorted((g.get("lang_to_id") or {}).values())}
+
+
+def whisper_to_onecopy(sd: dict[str, torch.Tensor], cfg: WhisperConfig) -> dict[str, torch.Tensor]:
+    """Weights under onecopy FQNs: transformers' names, less the output projection (tied to the embedding)."""
+    return {k: v for k, v in sd.items() if k != "proj_out.weight"}
+
+
+def whisper_generation(tokenizer_json: str, cfg: WhisperConfig, extra: dict[str, Any]) -> dict[str, Any]:
+    """Start-of-transcript prompt (no timestamps, English for multilingual models), eos and suppressions."""
+    vocab = json.loads(tokenizer_json)
+    ids = {t["content"]: t["id"] for t in vocab.get("added_tokens", [])}
+    ids.update({k: v for k, v in vocab["model"]["vocab"].items() if k.startswith("<|")})
+    need = ["<|startoftranscript|>", "<|notimestamps|>", "<|endoftext|>"]
+    multilingual = cfg.vocab_size >= 51865
+    if multilingual:
+        need += ["<|en|>", "<|transcribe|>"]
+    missing = [t for t in need if t not in ids]
+    if missing:
+        raise ModelSourceError(f"the Whisper tokenizer lacks {missing}; use the tokenizer.json of the checkpoint")
+    sot = [ids["<|startoftranscript|>"]] + ([ids["<|en|>"], ids["<|transcribe|>"]] if multilingual else [])
+    return {"task": "transcribe", "sot_ids": sot + [ids["<|notimestamps|>"]],
+            "suppress_ids": list(extra.get("suppress_ids", [])), "suppress_ids_begin": list(extra.get("suppress_ids_begin", [])),
+            "eos_token_ids": [ids["<|endoftext|>"]]}
+
+
+def _fields(cfg: WhisperConfig, sd: dict[str, torch.Tensor], tokenizer_json: str,
+            extra: dict[str, Any]) -> dict[str, Any]:
+    gen = whisper_generation(tokenizer_json, cfg, extra)
+    return dict(config=cfg, hf_state_dict=sd, tokenizer_json=tokenizer_json, eos_token_ids=gen.pop("eos_token_ids"),
+                generation=gen)
+
+
+def read_ct2_dir(path: Path) -> dict[str, Any]:
+    """A CTranslate2 Whisper directory (model.bin, tokenizer.json) as `source.ModelSource` fields."""
+    cfg, sd, extra = whisper_from_ct2(path)
+    tok = path / "tokenizer.json"
+    if not tok.is_file():
+        raise ModelSourceError(f"{path} has no tokenizer.json next to model.bin")
+    return _fields(cfg, sd, tok.read_text(), extra)
+
+
+def read_hf_dir(path: Path) -> dict[str, Any]:
+    """A transformers Whisper checkpoint directory as `source.ModelSource` fields."""
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files or not (path / "tokenizer.json").is_file():
+        raise ModelSourceError(f"{path} needs model.safetensors and tokenizer.json for a Whisper checkpoint")
+    sd = {k: v for f in files for k, v in load_file(str(f)).items()}
+    cfg = whisper_config_from_hf(json.loads((path / "config.json").read_text()))
+    return _fields(cfg, sd, (path / "tokenizer.json").read_text(), whisper_generation_from_hf(path))

@@ -1,10 +1,15 @@
-"""Hugging Face checkpoint directories: config.json -> LlamaConfig, HF names -> onecopy names."""
+"""Hugging Face checkpoint directories: config.json -> LlamaConfig, HF names -> onecopy names.
+
+Also what every text family's checkpoints share: reading safetensors shards (`read_safetensors`),
+checking that a mapping takes every tensor (`CheckpointTensors`), and the tokenizer, eos ids and
+chat template beside the weights (`read_text_dir`).
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
@@ -156,3 +161,27 @@ def read_safetensors(path: Path, skip: tuple[str, ...] = ()) -> dict[str, torch.
         with safe_open(str(path / f), framework="pt") as st:
             sd.update({k: st.get_tensor(k) for k in st.keys() if not (skip and k.startswith(skip))})
     return sd
+
+
+def read_text_dir(path: Path, read_checkpoint: Callable[[Path], tuple[dict[str, Any], dict[str, torch.Tensor]]],
+                  config_from_hf: Callable[[dict[str, Any]], Any]) -> dict[str, Any]:
+    """A text model's checkpoint directory as `source.ModelSource` fields: ``read_checkpoint`` gives
+    config.json and the weights, ``config_from_hf`` the family's config; tokenizer.json, the eos ids
+    (generation_config.json's over config.json's) and the chat template come from beside them."""
+    config, sd = read_checkpoint(path)
+    tok_file = path / "tokenizer.json"
+    if not tok_file.is_file():
+        raise ModelSourceError(f"{path} has no tokenizer.json; save the fast tokenizer next to the weights")
+    eos = config.get("eos_token_id")
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():
+        eos = json.loads(gen_file.read_text()).get("eos_token_id", eos)
+    chat_template = None
+    tok_cfg = path / "tokenizer_config.json"
+    if tok_cfg.is_file():
+        chat_template = json.loads(tok_cfg.read_text()).get("chat_template")
+    if (path / "chat_template.jinja").is_file():
+        chat_template = (path / "chat_template.jinja").read_text()
+    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    return dict(config=config_from_hf(config), hf_state_dict=sd, tokenizer_json=tok_file.read_text(),
+                eos_token_ids=eos_ids, bos_token_id=config.get("bos_token_id"), chat_template=chat_template)

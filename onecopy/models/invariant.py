@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-from . import kernels
+from .. import kernels
 
 
 def available(device: str | torch.device) -> bool:
@@ -35,7 +35,6 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """``F.linear`` whose every output row depends on its input row alone (see the module docstring)."""
     if not (x.is_cuda and kernels.available()):
         raise RuntimeError("the batch-invariant linear is a CUDA kernel (Triton); on CPU run the decode one row per call")
-    kernels.register()
     rows = x.reshape(-1, x.shape[-1])
 
     def few(block_m: int):

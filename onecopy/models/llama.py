@@ -5,28 +5,32 @@ larger GEMVs per step). The KV cache is not a module buffer: it is a state pool 
 session that the runtime passes in, with the rows a call works on (see `attention`). Two methods:
 a batched ``decode`` (one token for each of B sessions) and a one-session ``prefill`` chunk. Both
 return only the last position's logits: generation never needs the others.
+
+Checkpoint conversion is `hf_checkpoint` (and `gguf_file`); presets and random weights are
+`presets` and `random_weights`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
+from .. import kernels
 from .attention import Step, attend_pooled
 from .base import MethodDef, PooledModel, as_method, pooled_methods
-from .projections import by_rows, fused_decode, linear, rms_norm, sum_of_squares
+from .layers import FeedForward, RMSNorm, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
+from .projections import by_rows, fused_decode, linear, sum_of_squares
 
 
 @dataclass
 class LlamaConfig:
     """Shape and numerics of a Llama-family model."""
 
+    family: ClassVar[str] = "llama"  # the registry's name for it (`families`)
     vocab_size: int
     dim: int
     n_layers: int
@@ -54,78 +58,6 @@ class LlamaConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
         return cls(**d)
-
-
-def rope_inv_freq(cfg: LlamaConfig, dim: int | None = None) -> tuple[torch.Tensor, float]:
-    """Inverse RoPE frequencies over ``dim`` (default: the head) and the cos/sin scale for the config's
-    scaling variant (``cfg`` needs rope_theta, rope_scaling, max_position_embeddings).
-
-    Follows transformers' ``ROPE_INIT_FUNCTIONS`` for default, linear, llama3 and yarn.
-    """
-    dim = dim or cfg.head_dim
-    base = cfg.rope_theta
-    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = dict(cfg.rope_scaling or {})
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return inv, 1.0
-    if kind == "linear":
-        return inv / scaling["factor"], 1.0
-    if kind == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_ctx = scaling["original_max_position_embeddings"]
-        low_wl, high_wl = old_ctx / low, old_ctx / high
-        wavelen = 2 * math.pi / inv
-        out = torch.where(wavelen > low_wl, inv / factor, inv)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * out / factor + smooth * out
-        medium = ~(wavelen < high_wl) * ~(wavelen > low_wl)
-        return torch.where(medium, smoothed, out), 1.0
-    if kind == "yarn":
-        factor = scaling["factor"]
-        old_ctx = scaling.get("original_max_position_embeddings") or cfg.max_position_embeddings
-        beta_fast, beta_slow = scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)
-        mscale = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
-
-        def corr_dim(rot: float) -> float:
-            return (dim * math.log(old_ctx / (rot * 2 * math.pi))) / (2 * math.log(base))
-
-        lo = max(math.floor(corr_dim(beta_fast)), 0)
-        hi = min(math.ceil(corr_dim(beta_slow)), dim - 1)
-        if lo == hi:
-            hi += 0.001
-        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
-        extrapolation = 1 - ramp
-        pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
-        inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-        return inv, float(mscale)
-    raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3, yarn")
-
-
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype,
-                 decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin at ``positions`` (angles in fp32, as transformers computes them), in ``dtype``, shaped
-    [B, 1, 1, D] for decode (one position per session) or [1, T, 1, D] for a prefill chunk."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
-    return tuple(c[:, None, None, :] if decode else c[None, :, None, :] for c in (cos, sin))
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -156,23 +88,9 @@ class Attention(nn.Module):
         v = v.view(n, t, self.n_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin  # cos, sin: [N or 1, T, 1, D]
-        k = k * cos + rotate_half(k) * sin
+        q = apply_rope(q, cos, sin)  # cos, sin: [N or 1, T, 1, D]
+        k = apply_rope(k, cos, sin)
         return attend_pooled(q, k, v, step, k_pool, v_pool).reshape(n, t, q_size)
-
-
-class FeedForward(nn.Module):
-    """SwiGLU with gate and up fused into one GEMM (w13)."""
-
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.hidden = hidden
-        self.w13 = nn.Linear(dim, 2 * hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).split([self.hidden, self.hidden], dim=-1)
-        return self.w2(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -211,8 +129,7 @@ class Block(nn.Module):
 
         def rest_many(y, x, wo, g, w13, w2):
             h = x + F.linear(y, wo)
-            gate, up = F.linear(rms_norm(h, g, eps), w13).split([ffn.hidden, ffn.hidden], dim=-1)
-            out = h + F.linear(F.silu(gate) * up, w2)
+            out = h + swiglu(rms_norm(h, g, eps), w13, w2)  # FeedForward's ops on the branch's operands
             # Same outputs as the few-rows branch; the sums are unused here (the norms recompute them).
             return out, out.new_empty((out.shape[0], kernels.small_linear_programs(dim, False)), dtype=torch.float32)
 
@@ -290,52 +207,3 @@ class Transformer(PooledModel):
             "prefill": (as_method(self, Transformer.prefill), "prefill"),
             "decode": (as_method(self, Transformer.decode), "decode"),
         }, vocab, prefill_context=True)
-
-
-@dataclass
-class Preset:
-    config: LlamaConfig
-    description: str
-    on_device: bool = False  # weights drawn at build time on the export device, in its dtype (large shapes)
-
-
-PRESETS: dict[str, Preset] = {
-    "tiny-llama": Preset(
-        LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128,
-                    max_position_embeddings=256, rope_theta=10000.0),
-        "seeded random 2-layer Llama for tests"),
-    "llama-8l-2048": Preset(
-        LlamaConfig(vocab_size=32000, dim=2048, n_layers=8, n_heads=16, n_kv_heads=8, intermediate_size=5632,
-                    max_position_embeddings=4096, rope_theta=500000.0),
-        "seeded random 8-layer, 2048-wide Llama for benchmarks"),
-    "llama3-8b": Preset(
-        LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate_size=14336,
-                    rms_norm_eps=1e-5, max_position_embeddings=131072, rope_theta=500000.0),
-        "Llama-3-8B shape, seeded random weights drawn on the export device", on_device=True),
-    "llama3-8b-8l": Preset(
-        LlamaConfig(vocab_size=128256, dim=4096, n_layers=8, n_heads=32, n_kv_heads=8, intermediate_size=14336,
-                    rms_norm_eps=1e-5, max_position_embeddings=131072, rope_theta=500000.0),
-        "8 layers of the Llama-3-8B shape (quick benchmarks), random weights drawn on the device", on_device=True),
-    "llama3-1b": Preset(
-        LlamaConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, intermediate_size=8192,
-                    head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=131072, rope_theta=500000.0,
-                    tie_embeddings=True),
-        "Llama-3.2-1B shape, seeded random weights drawn on the export device", on_device=True),
-}
-
-
-def fill_random(model: nn.Module, seed: int) -> None:
-    """Seeded random weights in place, on the model's device and dtype (one generator per tensor):
-    linear weights N(0, 1/fan_in), norms 1 + N(0, 0.01), embeddings N(0, 1); logits stay well separated."""
-    with torch.no_grad():
-        for i, (name, p) in enumerate(model.named_parameters()):
-            g = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + i)
-            x = torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32 if p.device.type == "cpu"
-                            else p.dtype)
-            if name.endswith("norm.weight"):
-                x = 1.0 + 0.1 * x
-            elif p.dim() == 2 and "embeddings" not in name:
-                x = x / p.shape[1] ** 0.5
-            elif p.dim() == 1:  # biases
-                x = 0.1 * x
-            p.copy_(x)

@@ -18,18 +18,16 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from . import invariant, kernels
+from .. import kernels
+from . import invariant
+from .layers import rms_norm
 
 
 def fused_decode(x: torch.Tensor, decode: bool) -> bool:
-    """Whether a method traced with ``x`` takes the fused path: a decode step on a CUDA device with Triton
-    (then the kernel ops are registered here, outside the ``torch.cond`` branches that call them), not
-    batch-invariant: the partial sums of squares a norm fold passes on are reduced in an order that
+    """Whether a method traced with ``x`` takes the fused path: a decode step on a CUDA device with Triton,
+    not batch-invariant: the partial sums of squares a norm fold passes on are reduced in an order that
     depends on the rows per program, so the invariant decode runs its norms apart (`invariant`)."""
-    if not (decode and x.is_cuda and kernels.available()) or invariant.active():
-        return False
-    kernels.register()
-    return True
+    return decode and x.is_cuda and kernels.available() and not invariant.active()
 
 
 def by_rows(rows: int | torch.SymInt, few: Callable[..., Any], many: Callable[..., Any],
@@ -48,7 +46,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear`` of a decode step's rows [B, K]: the small-linear kernel for a few, cuBLAS for more.
 
     ``norm`` = (weight, partial sums of squares of x's rows, eps): an RMSNorm of ``x`` first, folded
-    into the kernel for a few rows (see `kernels.small_linear`), `rms_norm` for more.
+    into the kernel for a few rows (see `kernels.small_linear`), `layers.rms_norm` for more.
     """
     nw, ss, eps = norm if norm is not None else (None, None, 0.0)
 
@@ -67,10 +65,3 @@ def sum_of_squares(x: torch.Tensor) -> torch.Tensor:
     """Each row's sum of squares in fp32 [B, 1]: the one partial sum a norm folded into `linear` needs
     for a row that no small-linear kernel produced (the embedding output)."""
     return x.float().pow(2).sum(-1, keepdim=True)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in transformers' op order (normalize in fp32, scale in the model dtype)."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)

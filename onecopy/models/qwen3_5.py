@@ -1,47 +1,35 @@
 """Qwen3.5 (dense ``qwen3_5`` and MoE ``qwen3_5_moe``): a hybrid of gated DeltaNet and gated attention.
 
-Most layers are gated DeltaNet linear attention, whose per-session state is a causal-conv window
-(``conv_state`` [conv_dim, kernel], the model dtype, as transformers' cache keeps it) and a
-recurrent matrix per value head (``recurrent_state`` [v_heads, k_head_dim, v_head_dim], always
-fp32, as transformers keeps it); the others (``layer_types``) are gated full attention with q/k
-norms and partial rotary embeddings over a KV cache. The math follows transformers'
-``modeling_qwen3_5`` / ``modeling_qwen3_5_moe`` (text only: the three mrope sections see the same
-positions, so mrope is plain rotary over the first ``head_dim * partial_rotary_factor`` dims).
+Most layers are gated DeltaNet linear attention (`qwen3_5_deltanet`), whose per-session state is a
+causal-conv window and a recurrent matrix per value head; the others (``layer_types``) are gated
+full attention with q/k norms and partial rotary embeddings over a KV cache. The math follows
+transformers' ``modeling_qwen3_5`` / ``modeling_qwen3_5_moe`` (text only: the three mrope sections
+see the same positions, so mrope is plain rotary over the first ``head_dim * partial_rotary_factor``
+dims).
 
 Like `llama.Transformer`, the state is not module buffers but pools passed in by the runtime, one
-row per session: ``decode`` runs one recurrent step per session (rows gathered, new state written
-back with ``index_copy_``), ``prefill`` runs the chunked gated delta rule over a session's chunk
-of T tokens starting from its row. T is dynamic in export, so the chunking is a fixed number n of
-chunks (`prefill_chunks` = ceil(max_seq_len / linear_chunk_size), at most 32: a static trip
-count) of ``ceil(T / n) + 1`` slots each, the tail padded with tokens that leave the state
-untouched (zero key, beta and log decay); the within-chunk work (UT transform, one batched
-triangular solve) is batched over the chunks, only the state hand-over between chunks is a loop.
+row per session. A call starting at position 0 starts from a zero state whatever the row holds (the
+KV cache is position-addressed, the recurrent state is not: this keeps "prefill from 0 starts over"
+true). The DeltaNet prefill runs in `Qwen35.prefill_chunks` chunks (ceil(max_seq_len /
+linear_chunk_size), at most `MAX_PREFILL_CHUNKS`: a static trip count).
 
-A call starting at position 0 starts from a zero state whatever the row holds (the KV cache is
-position-addressed, the recurrent state is not: this keeps "prefill from 0 starts over" true).
+Checkpoint conversion is `qwen3_5_convert`; the presets and their random weights are `presets`.
 """
-
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ModelSourceError
 from .attention import Step, attend_pooled
 from .base import MethodDef, PooledModel, as_method, pooled_methods
-from .hf_checkpoint import CheckpointTensors, read_safetensors
-from . import llama
-from .llama import FeedForward, rope_cos_sin, rope_inv_freq, rotate_half
+from .layers import FeedForward, apply_rope, rope_cos_sin, rope_inv_freq
+from .qwen3_5_deltanet import GatedDeltaNet
 
 LINEAR, FULL = "linear_attention", "full_attention"
-MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
-FAMILIES = ("qwen3_5", "qwen3_5_moe")
 MAX_PREFILL_CHUNKS = 32  # most sequential chunk steps in one prefill graph (chunks grow beyond that)
 
 
@@ -126,113 +114,6 @@ class RMSNorm(nn.Module):
         return (h * (1.0 + self.weight.float())).type_as(x)
 
 
-class GatedRMSNorm(llama.RMSNorm):
-    """The DeltaNet output norm: Llama's ``w * norm(x)`` (plain weight) times ``silu(gate)`` in fp32."""
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return (super().forward(x) * F.silu(gate.float())).to(x.dtype)
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                           state: torch.Tensor, n_chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule over one session's T tokens, in ``n_chunks`` chunks of ceil(T / n_chunks) + 1 slots.
-
-    q, k: [H, T, dk] (l2-normalised), v: [H, T, dv], g (log decay), beta: [H, T], state: [H, dk, dv];
-    all fp32. Returns the output [H, T, dv] and the final state. Same math as transformers'
-    ``torch_chunk_gated_delta_rule`` (UT transform per chunk, state passed chunk to chunk); the
-    tail padding (zero q, k, v, beta and log decay) leaves the state exactly as it is.
-    """
-    h, t, dk = k.shape
-    n = n_chunks
-    c = (t + n - 1) // n + 1  # one spare slot per chunk: c >= 2 provably (export would guard on c == 1)
-    q = q * dk ** -0.5
-    q, k, v = (F.pad(x, (0, 0, 0, n * c - t)).view(h, n, c, x.shape[-1]) for x in (q, k, v))
-    g, beta = (F.pad(x, (0, n * c - t)).view(h, n, c) for x in (g, beta))
-    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-    decay = g.cumsum(-1)  # [H, n, c]: log decay from the chunk's start to each position
-    upper = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
-    pairwise = (decay[..., :, None] - decay[..., None, :]).masked_fill(upper, float("-inf")).exp()
-    ut = (k_beta @ k.transpose(-1, -2)) * pairwise  # (I + strictly lower part) is the UT system
-    intra = (q @ k.transpose(-1, -2)) * pairwise
-    rhs = torch.cat([v_beta, k_beta * decay.exp()[..., None]], dim=-1)  # both right-hand sides in one solve
-    new_values, k_cumdecay = torch.linalg.solve_triangular(ut, rhs, upper=False, unitriangular=True).split(
-        [v_beta.shape[-1], dk], dim=-1)
-    q = q * decay.exp()[..., None]
-    k = k * (decay[..., -1:] - decay).exp()[..., None]
-    chunk_decay = decay[..., -1].exp()[..., None, None]  # [H, n, 1, 1]
-    outs = []
-    for i in range(n):  # static trip count: the state hand-over between chunks
-        v_new = new_values[:, i] - k_cumdecay[:, i] @ state
-        outs.append(q[:, i] @ state + intra[:, i] @ v_new)
-        state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
-    out = torch.stack(outs, 1).view(h, n * c, v.shape[-1])
-    # the T real positions (a slice would need t <= n * c proven symbolically)
-    return out.index_select(1, torch.arange(t, device=out.device)), state
-
-
-class GatedDeltaNet(nn.Module):
-    """Gated DeltaNet token mixer; q/k/v, z, b and a projections fused into one ``in_proj``."""
-
-    def __init__(self, cfg: Qwen35Config) -> None:
-        super().__init__()
-        self.nk, self.nv = cfg.linear_n_k_heads, cfg.linear_n_v_heads
-        self.dk, self.dv = cfg.linear_k_head_dim, cfg.linear_v_head_dim
-        self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
-        self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.kernel = cfg.linear_conv_kernel
-        self.in_proj = nn.Linear(cfg.dim, self.conv_dim + self.value_dim + 2 * self.nv, bias=False)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
-        self.dt_bias = nn.Parameter(torch.ones(self.nv))
-        self.A_log = nn.Parameter(torch.zeros(self.nv))
-        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, cfg.dim, bias=False)
-
-    def forward(self, x: torch.Tensor, step: Step, conv_pool: torch.Tensor, rec_pool: torch.Tensor,
-                n_chunks: int) -> torch.Tensor:
-        """x: [N, T, dim] (decode: N sessions, T = 1; prefill: N = 1)."""
-        n, t, _ = x.shape
-        mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.nv, self.nv], dim=-1)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [N, T, nv] fp32
-        fresh = (step.input_pos == 0) if step.decode else (step.input_pos[:1] == 0)  # [N]: start from zero
-        conv_state = conv_pool.index_select(0, step.rows)  # [N, conv_dim, kernel]
-        conv_state = torch.where(fresh[:, None, None], torch.zeros_like(conv_state), conv_state)
-        window = torch.cat([conv_state, mixed.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # [N, C, kernel + T]
-        conv_pool.index_copy_(0, step.rows, window[..., t:])  # the last `kernel` inputs
-        w = self.conv1d.weight  # [C, 1, kernel]
-        if step.decode:
-            conv = (window[..., 1:] * w[:, 0]).sum(-1, keepdim=True)  # [N, C, 1]
-        else:
-            conv = F.conv1d(window, w, groups=self.conv_dim)[..., 1:]  # [1, C, T]
-        mixed = F.silu(conv).to(x.dtype).transpose(1, 2)  # [N, T, C]
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        rep = self.nv // self.nk
-        q = l2norm(q.reshape(n, t, self.nk, self.dk).float()).repeat_interleave(rep, dim=2)
-        k = l2norm(k.reshape(n, t, self.nk, self.dk).float()).repeat_interleave(rep, dim=2)
-        v = v.reshape(n, t, self.nv, self.dv).float()
-        state = rec_pool.index_select(0, step.rows)  # [N, nv, dk, dv] fp32
-        state = torch.where(fresh[:, None, None, None], torch.zeros_like(state), state)
-        if step.decode:  # one recurrent step per session (transformers' torch_recurrent_gated_delta_rule)
-            q, k, v = q[:, 0] / self.dk ** 0.5, k[:, 0], v[:, 0]  # [N, nv, d]
-            state = state * g[:, 0].exp()[..., None, None]
-            kv_mem = (state * k[..., None]).sum(-2)
-            delta = (v - kv_mem) * beta[:, 0].float()[..., None]
-            state = state + k[..., None] * delta[..., None, :]
-            out = (state * q[..., None]).sum(-2)[:, None]  # [N, 1, nv, dv]
-        else:
-            out, state = chunk_gated_delta_rule(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
-                                                g[0].transpose(0, 1), beta[0].float().transpose(0, 1), state[0],
-                                                n_chunks)
-            out, state = out.transpose(0, 1)[None], state[None]
-        rec_pool.index_copy_(0, step.rows, state.to(rec_pool.dtype))
-        out = self.norm(out.to(x.dtype), z.reshape(n, t, self.nv, self.dv))
-        return self.out_proj(out.reshape(n, t, self.value_dim))
-
-
 class Attention(nn.Module):
     """Gated full attention: q (with its per-head output gate), k, v fused in ``wqkv``; q/k norms; partial RoPE."""
 
@@ -246,21 +127,14 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        r = self.rotary_dim
-        if r == self.head_dim:
-            return x * cos + rotate_half(x) * sin
-        rot, rest = x[..., :r], x[..., r:]
-        return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
-
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Step,
                 k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         n, t, _ = x.shape
         hd, q_size, kv_size = self.head_dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         qg, k, v = self.wqkv(x).split([2 * q_size, kv_size, kv_size], dim=-1)
         q, gate = qg.view(n, t, self.n_heads, 2 * hd).chunk(2, dim=-1)  # per head: [query | gate]
-        q = self._rope(self.q_norm(q), cos, sin)
-        k = self._rope(self.k_norm(k.view(n, t, self.n_kv_heads, hd)), cos, sin)
+        q = apply_rope(self.q_norm(q), cos, sin, self.rotary_dim)
+        k = apply_rope(self.k_norm(k.view(n, t, self.n_kv_heads, hd)), cos, sin, self.rotary_dim)
         v = v.view(n, t, self.n_kv_heads, hd)
         y = attend_pooled(q, k, v, step, k_pool, v_pool)
         y = y.reshape(n, t, q_size) * torch.sigmoid(gate.reshape(n, t, q_size))
@@ -421,234 +295,3 @@ class Qwen35(PooledModel):
             "prefill": (as_method(self, Qwen35.prefill), "prefill"),
             "decode": (as_method(self, Qwen35.decode), "decode"),
         }, vocab)
-
-
-# ----------------------------------------------------------------------------------------------- HF checkpoints
-
-def text_config(c: dict[str, Any]) -> dict[str, Any]:
-    """The text part of a config.json (``qwen3_5``/``qwen3_5_moe`` nest it under ``text_config``)."""
-    if c.get("model_type") in ("qwen3_5", "qwen3_5_moe") and isinstance(c.get("text_config"), dict):
-        t = dict(c["text_config"])
-        t.setdefault("model_type", c["model_type"] + "_text")
-        for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
-            if key in c and key not in t:
-                t[key] = c[key]
-        return t
-    return c
-
-
-def config_from_hf(c: dict[str, Any]) -> Qwen35Config:
-    """Translate a transformers config.json dict (ForCausalLM text config or the multimodal one)."""
-    c = text_config(c)
-    model_type = c.get("model_type")
-    if model_type not in MODEL_TYPES:
-        raise ModelSourceError(f"model_type {model_type!r} is not a Qwen3.5 model ({', '.join(MODEL_TYPES)})")
-    if c.get("hidden_act", "silu") != "silu":
-        raise ModelSourceError(f"hidden_act {c['hidden_act']!r} is not supported; Qwen3.5 uses silu")
-    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
-    theta = rope.get("rope_theta") or c.get("rope_theta") or 10000.0
-    prf = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.25))
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    scaling = None
-    if kind != "default":
-        scaling = {k: v for k, v in rope.items()
-                   if k not in ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")}
-    n_layers = c["num_hidden_layers"]
-    layer_types = c.get("layer_types") or [
-        LINEAR if (i + 1) % c.get("full_attention_interval", 4) else FULL for i in range(n_layers)]
-    moe = model_type.startswith("qwen3_5_moe")
-    n_heads = c["num_attention_heads"]
-    try:
-        return Qwen35Config(
-            vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=n_layers, n_heads=n_heads,
-            n_kv_heads=c.get("num_key_value_heads") or n_heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,
-            intermediate_size=0 if moe else c["intermediate_size"], layer_types=list(layer_types),
-            linear_conv_kernel=c.get("linear_conv_kernel_dim", 4), linear_n_k_heads=c.get("linear_num_key_heads", 16),
-            linear_n_v_heads=c.get("linear_num_value_heads", 32), linear_k_head_dim=c.get("linear_key_head_dim", 128),
-            linear_v_head_dim=c.get("linear_value_head_dim", 128), rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta), partial_rotary_factor=float(prf), rope_scaling=scaling,
-            tie_embeddings=bool(c.get("tie_word_embeddings", False)), attention_bias=bool(c.get("attention_bias", False)),
-            max_position_embeddings=c.get("max_position_embeddings", 32768),
-            num_experts=c.get("num_experts", 0) if moe else 0,
-            num_experts_per_tok=c.get("num_experts_per_tok", 0) if moe else 0,
-            moe_intermediate_size=c.get("moe_intermediate_size", 0) if moe else 0,
-            shared_expert_intermediate_size=c.get("shared_expert_intermediate_size", 0) if moe else 0)
-    except (KeyError, ValueError) as e:
-        raise ModelSourceError(f"config.json does not describe a Qwen3.5 text model: {e}") from e
-
-
-def hf_config_from_qwen3_5(cfg: Qwen35Config) -> dict[str, Any]:
-    """The transformers config.json of the text model (``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM``)."""
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta,
-                            "partial_rotary_factor": cfg.partial_rotary_factor}
-    if cfg.rope_scaling:
-        rope.update(cfg.rope_scaling)
-    d: dict[str, Any] = {
-        "architectures": ["Qwen3_5MoeForCausalLM" if cfg.moe else "Qwen3_5ForCausalLM"],
-        "model_type": "qwen3_5_moe_text" if cfg.moe else "qwen3_5_text",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
-        "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps, "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.attention_bias,
-        "layer_types": list(cfg.layer_types), "linear_conv_kernel_dim": cfg.linear_conv_kernel,
-        "linear_key_head_dim": cfg.linear_k_head_dim, "linear_value_head_dim": cfg.linear_v_head_dim,
-        "linear_num_key_heads": cfg.linear_n_k_heads, "linear_num_value_heads": cfg.linear_n_v_heads,
-        "rope_parameters": rope,
-    }
-    if cfg.moe:
-        d.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
-                 moe_intermediate_size=cfg.moe_intermediate_size,
-                 shared_expert_intermediate_size=cfg.shared_expert_intermediate_size)
-    else:
-        d["intermediate_size"] = cfg.intermediate_size
-    return d
-
-
-def hf_to_onecopy(sd: dict[str, torch.Tensor], cfg: Qwen35Config) -> dict[str, torch.Tensor]:
-    """HF names (``model.*`` of the ForCausalLM, or ``model.language_model.*`` of the multimodal
-    checkpoints, whose vision tower and MTP head are skipped) to onecopy FQNs, fusing projections.
-    MoE experts may be stored fused (``experts.gate_up_proj``) or per expert (``experts.N.gate_proj``)."""
-    norm: dict[str, torch.Tensor] = {}
-    for k, v in sd.items():
-        if k.startswith(("model.visual.", "mtp.")) or k.endswith("rotary_emb.inv_freq"):
-            continue
-        norm[k.replace("model.language_model.", "model.", 1)] = v
-    ckpt = CheckpointTensors(norm, f"{cfg.n_layers}-layer Qwen3.5 ({cfg.family}) text model")
-    take = ckpt.take
-
-    def mlp(p: str, a: str) -> dict[str, torch.Tensor]:
-        return {a + "w13.weight": torch.cat([take(p + "gate_proj.weight"), take(p + "up_proj.weight")]),
-                a + "w2.weight": take(p + "down_proj.weight")}
-
-    out = {"embed_tokens.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
-    for i, kind in enumerate(cfg.layer_types):
-        p, a = f"model.layers.{i}.", f"layers.{i}."
-        out[a + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
-        out[a + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
-        if kind == LINEAR:
-            la, oa = p + "linear_attn.", a + "linear_attn."
-            out[oa + "in_proj.weight"] = torch.cat([take(la + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")])
-            out[oa + "conv1d.weight"] = take(la + "conv1d.weight")
-            for n in ("dt_bias", "A_log", "norm.weight", "out_proj.weight"):
-                out[oa + n] = take(la + n)
-        else:
-            sa, oa = p + "self_attn.", a + "self_attn."
-            out[oa + "wqkv.weight"] = torch.cat([take(sa + f"{n}_proj.weight") for n in "qkv"])
-            if cfg.attention_bias:
-                out[oa + "wqkv.bias"] = torch.cat([take(sa + f"{n}_proj.bias") for n in "qkv"])
-                out[oa + "wo.bias"] = take(sa + "o_proj.bias")
-            out[oa + "wo.weight"] = take(sa + "o_proj.weight")
-            out[oa + "q_norm.weight"] = take(sa + "q_norm.weight")
-            out[oa + "k_norm.weight"] = take(sa + "k_norm.weight")
-        m, om = p + "mlp.", a + "mlp."
-        if not cfg.moe:
-            out.update(mlp(m, om))
-            continue
-        out[om + "gate.weight"] = take(m + "gate.weight")
-        if m + "experts.gate_up_proj" in ckpt:
-            out[om + "experts.gate_up_proj"] = take(m + "experts.gate_up_proj")
-            out[om + "experts.down_proj"] = take(m + "experts.down_proj")
-        else:
-            e = range(cfg.num_experts)
-            gate = torch.stack([take(m + f"experts.{j}.gate_proj.weight") for j in e])
-            up = torch.stack([take(m + f"experts.{j}.up_proj.weight") for j in e])
-            out[om + "experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
-            out[om + "experts.down_proj"] = torch.stack([take(m + f"experts.{j}.down_proj.weight") for j in e])
-        out.update(mlp(m + "shared_expert.", om + "shared_expert."))
-        out[om + "shared_expert_gate.weight"] = take(m + "shared_expert_gate.weight")
-    if cfg.tie_embeddings:
-        ckpt.ignore("lm_head.weight")  # tied checkpoints sometimes store the alias too
-    else:
-        out["lm_head.weight"] = take("lm_head.weight")
-    ckpt.check_all_taken()
-    return out
-
-
-def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """config.json (its text part) and every safetensors shard (indexed or not), vision/MTP tensors skipped."""
-    config = text_config(json.loads((path / "config.json").read_text()))
-    config_from_hf(config)  # refuse what this is not before reading weights
-    return config, read_safetensors(path, skip=("model.visual.", "mtp."))
-
-
-# ----------------------------------------------------------------------------------------------- presets
-
-PRESETS: dict[str, Qwen35Config] = {
-    "tiny-qwen3.5": Qwen35Config(
-        vocab_size=512, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, intermediate_size=128,
-        layer_types=[LINEAR, LINEAR, FULL, LINEAR], linear_conv_kernel=4, linear_n_k_heads=2, linear_n_v_heads=4,
-        linear_k_head_dim=16, linear_v_head_dim=16, rope_theta=10000.0, max_position_embeddings=256,
-        linear_chunk_size=32),
-    "tiny-qwen3.5-moe": Qwen35Config(
-        vocab_size=512, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, intermediate_size=0,
-        layer_types=[LINEAR, FULL, LINEAR, FULL], linear_conv_kernel=4, linear_n_k_heads=2, linear_n_v_heads=4,
-        linear_k_head_dim=16, linear_v_head_dim=16, rope_theta=10000.0, max_position_embeddings=256,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
-        linear_chunk_size=32),
-}
-
-
-def random_hf_state_dict(cfg: Qwen35Config, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded weights under transformers' names, scaled so that logits stay well separated."""
-    g = torch.Generator().manual_seed(seed)
-
-    def lin(out_f: int, in_f: int) -> torch.Tensor:
-        return torch.randn(out_f, in_f, generator=g) / in_f ** 0.5
-
-    def small(*shape: int) -> torch.Tensor:  # zero-centred norm weights (the norm scales by 1 + w)
-        return 0.1 * torch.randn(*shape, generator=g)
-
-    hd, dim = cfg.head_dim, cfg.dim
-    sd = {"model.embed_tokens.weight": torch.randn(cfg.vocab_size, dim, generator=g)}
-    for i, kind in enumerate(cfg.layer_types):
-        p = f"model.layers.{i}."
-        if kind == LINEAR:
-            la = p + "linear_attn."
-            key_dim, value_dim = cfg.linear_n_k_heads * cfg.linear_k_head_dim, cfg.linear_n_v_heads * cfg.linear_v_head_dim
-            nv, kern = cfg.linear_n_v_heads, cfg.linear_conv_kernel
-            sd[la + "in_proj_qkv.weight"] = lin(2 * key_dim + value_dim, dim)
-            sd[la + "in_proj_z.weight"] = lin(value_dim, dim)
-            sd[la + "in_proj_b.weight"] = lin(nv, dim)
-            sd[la + "in_proj_a.weight"] = lin(nv, dim)
-            sd[la + "conv1d.weight"] = torch.randn(2 * key_dim + value_dim, 1, kern, generator=g) / kern ** 0.5
-            sd[la + "dt_bias"] = 1.0 + small(nv)
-            sd[la + "A_log"] = torch.empty(nv).uniform_(0.05, 2.0, generator=g).log()
-            sd[la + "norm.weight"] = 1.0 + small(cfg.linear_v_head_dim)
-            sd[la + "out_proj.weight"] = lin(dim, value_dim)
-        else:
-            sa = p + "self_attn."
-            sd[sa + "q_proj.weight"] = lin(2 * cfg.n_heads * hd, dim)
-            sd[sa + "k_proj.weight"] = lin(cfg.n_kv_heads * hd, dim)
-            sd[sa + "v_proj.weight"] = lin(cfg.n_kv_heads * hd, dim)
-            if cfg.attention_bias:
-                for n, size in (("q", 2 * cfg.n_heads * hd), ("k", cfg.n_kv_heads * hd), ("v", cfg.n_kv_heads * hd),
-                                ("o", dim)):
-                    sd[sa + f"{n}_proj.bias"] = small(size)
-            sd[sa + "o_proj.weight"] = lin(dim, cfg.n_heads * hd)
-            sd[sa + "q_norm.weight"], sd[sa + "k_norm.weight"] = small(hd), small(hd)
-        m = p + "mlp."
-        if cfg.moe:
-            e, hid = cfg.num_experts, cfg.moe_intermediate_size
-            sd[m + "gate.weight"] = lin(e, dim)
-            sd[m + "experts.gate_up_proj"] = torch.randn(e, 2 * hid, dim, generator=g) / dim ** 0.5
-            sd[m + "experts.down_proj"] = torch.randn(e, dim, hid, generator=g) / hid ** 0.5
-            m, hid = m + "shared_expert.", cfg.shared_expert_intermediate_size
-            sd[p + "mlp.shared_expert_gate.weight"] = lin(1, dim)
-        else:
-            hid = cfg.intermediate_size
-        sd[m + "gate_proj.weight"] = lin(hid, dim)
-        sd[m + "up_proj.weight"] = lin(hid, dim)
-        sd[m + "down_proj.weight"] = lin(dim, hid)
-        sd[p + "input_layernorm.weight"] = small(dim)
-        sd[p + "post_attention_layernorm.weight"] = small(dim)
-    sd["model.norm.weight"] = small(dim)
-    if not cfg.tie_embeddings:
-        sd["lm_head.weight"] = lin(cfg.vocab_size, dim)
-    return sd
-
-
-def preset(name: str, seed: int = 0) -> tuple[Qwen35Config, dict[str, torch.Tensor]]:
-    """A preset's config (a copy) and its seeded random weights under transformers' names."""
-    cfg = Qwen35Config.from_dict(PRESETS[name].to_dict())
-    return cfg, random_hf_state_dict(cfg, seed)

@@ -14,7 +14,7 @@ Hugging Face checkpoints load without renaming.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,7 @@ N_FRAMES = 3000  # 30 s of 10 ms hops
 
 @dataclass
 class WhisperConfig:
+    family: ClassVar[str] = "whisper"  # the registry's name for it (`families`)
     vocab_size: int = 51864
     n_mels: int = 80
     d_model: int = 384

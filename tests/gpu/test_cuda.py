@@ -202,7 +202,7 @@ def test_graphs_need_a_shared_weight_decode(tmp_path):
 
 def test_decode_attention_kernel_matches_float64():
     """The Triton split-KV kernel against a float64 reference, on random data, lengths from 1 to full."""
-    from onecopy.models import kernels
+    from onecopy import kernels
     from onecopy.models.attention import pooled_attention
 
     torch.manual_seed(0)
@@ -223,9 +223,9 @@ def test_decode_attention_with_rope_and_cache_write_matches_float64():
     """The decode kernel fed the projected q/k/v rows: RoPE on q and the new k, the new k/v cached at each
     row's position (and nothing else of the pool touched), attention through that position, against
     float64 torch ops: first position, mid-block, block and split boundaries, the pool's last position."""
-    from onecopy.models import kernels
+    from onecopy import kernels
     from onecopy.models.attention import pooled_attention
-    from onecopy.models.llama import rotate_half
+    from onecopy.models.layers import rotate_half
 
     torch.manual_seed(0)
     for hq, hkv, d, s, positions in [(32, 8, 128, 4097, [0, 1023, 4096]), (4, 2, 64, 300, [63, 64, 299]),
@@ -257,7 +257,7 @@ def test_decode_attention_with_rope_and_cache_write_matches_float64():
 def test_prefill_attention_kernel_matches_float64():
     """The Triton prefill kernel against a float64 reference: fresh prompts and chunks after a filled prefix,
     head sizes 16 to 256, lengths that are and are not multiples of the tiles."""
-    from onecopy.models import kernels
+    from onecopy import kernels
     from onecopy.models.attention import prefill_attention
 
     torch.manual_seed(0)
@@ -287,7 +287,7 @@ def _kernel_names(fn) -> set[str]:
 def test_decode_fuses_projections_for_few_sessions_and_keeps_cublas_for_more(cuda_bundle):
     """Up to 16 sessions a decode step runs the fused small-linear kernel, each row bit for bit what it
     gives alone (the kernel's rows are independent); 17 go through cuBLAS and agree to bf16 rounding."""
-    from onecopy.models import kernels
+    from onecopy import kernels
 
     assert kernels.SMALL_LINEAR_ROWS == 16
     with onecopy.Engine.load(cuda_bundle, "cuda", max_sessions=24, cuda_graphs=False) as engine:
@@ -313,10 +313,9 @@ def test_small_linear_kernel_matches_float64():
     """The fused kernel (plain, RMSNorm before, SwiGLU after, residual add after) against float64 torch
     ops, 1 to 16 rows, shapes that are and are not multiples of its tiles; and the partial sums of squares
     it returns add up to each output row's, the norm a following kernel folds in."""
-    from onecopy.models import kernels
+    from onecopy import kernels
     from onecopy.models.projections import sum_of_squares
 
-    kernels.register()
     torch.manual_seed(0)
     for m, n, k, glu, res, norm in [(1, 6144, 4096, False, False, True), (16, 4096, 4096, False, True, False),
                                     (5, 2 * 1000, 4096, True, False, True), (3, 100, 72, False, True, True),
@@ -349,10 +348,9 @@ def test_small_linear_rows_are_independent_of_the_batch():
     16 rows per program (up to 16 rows) and 64: the same as that row alone; and with the batch-invariant
     decode's tiles a row's output is the same from a 64-row program as from a 16-row one (its partial
     sums are not: the invariant decode does not fold norms). Plain, norm folded in, SwiGLU, residual."""
-    from onecopy.models import kernels
+    from onecopy import kernels
     from onecopy.models.projections import sum_of_squares
 
-    kernels.register()
     torch.manual_seed(1)
     for n, k, glu, res, norm in ((6144, 4096, False, False, True), (2 * 1000, 4096, True, False, True),
                                  (4096, 14336, False, True, False), (130, 72, False, True, True),

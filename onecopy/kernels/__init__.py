@@ -1,0 +1,31 @@
+"""Triton kernels the exported CUDA methods call, as ``torch.ops.onecopy`` ops that AOTInductor embeds.
+
+One module per kernel family; the models call the ops through the functions re-exported here:
+
+- `decode`: split-KV decode attention over the KV pool (`decode_attention`), and its variant from a
+  decode step's projected q/k/v rows with RoPE and the new K/V's cache write inside the kernel
+  (`decode_attention_rope`);
+- `prefill`: causal flash attention of a prefill chunk over its pool row, in place (`prefill_attention`);
+- `linear`: the small linear of a decode step's few rows, with the RMSNorm before it and SwiGLU or a
+  residual add after it folded in (`small_linear`);
+- `tiles`: every tile table and tiling constant of the three;
+- `ops`: the op definitions (once, at import of this package, where Triton and CUDA are usable),
+  `available`, and the calls above.
+
+Importing this package needs neither Triton nor CUDA (the ops are then not defined, and `available`
+is False); the kernels are built on their first launch. On CPU the models use
+plain torch ops instead (`models.attention`, `models.projections`); `available` says which.
+The ``launch_*`` functions run one kernel with explicit tiles, outside any op (the benchmarks).
+"""
+
+from .decode import launch_decode
+from .linear import Norm, launch_linear
+from .ops import available, decode_attention, decode_attention_rope, prefill_attention, small_linear
+from .prefill import launch_prefill
+from .tiles import (BLOCK_N, INVARIANT_ROWS, PREFILL_TILES, SMALL_LINEAR_ROWS, SMEM_BUDGET, SPLIT_MAX, n_splits,
+                    prefill_tiles, small_linear_programs, small_linear_tiles)
+
+__all__ = ["BLOCK_N", "INVARIANT_ROWS", "Norm", "PREFILL_TILES", "SMALL_LINEAR_ROWS", "SMEM_BUDGET", "SPLIT_MAX",
+           "available", "decode_attention", "decode_attention_rope", "launch_decode", "launch_linear",
+           "launch_prefill", "n_splits", "prefill_attention", "prefill_tiles", "small_linear",
+           "small_linear_programs", "small_linear_tiles"]

@@ -1,0 +1,144 @@
+"""Split-KV ("flash-decoding") decode attention: one query per session against its row of the KV pool.
+
+`decode_attention`: reads only the filled prefix (``lengths``) of each row, in place, with all query
+heads of a grouped-query group served by one program, so each K/V block is read once. A second
+kernel merges the splits. On CPU the exported methods use `attention.pooled_attention` instead.
+`decode_attention_rope`: the same from a decode step's projected q/k/v rows, with RoPE on q and the
+new k and the write of the new k/v into the pool done inside the split kernel (two kernels fewer per
+layer): the program whose split holds the new position takes that key from registers, last, and
+caches it; the others read only positions before it, so no program reads what another writes.
+The ops themselves are defined in `ops`; Triton is imported only when a kernel is first launched.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .tiles import BLOCK_N, n_splits
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def split_kernel(Q, K, V, ROWS, LENS, PO, PML, COS, SIN,
+                     stride_qb, stride_qh, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
+                     stride_pob, stride_poh, stride_pos, stride_pmb, stride_pmh, stride_pms, stride_cb,
+                     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, NS: tl.constexpr,
+                     SCALE: tl.constexpr, NEW: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        sp = tl.program_id(2)
+        row = tl.load(ROWS + b)
+        length = tl.load(LENS + b)
+        split = tl.cdiv(tl.cdiv(length, NS), BLOCK) * BLOCK  # this row's positions per program
+        start = sp * split
+        end = tl.minimum(start + split, length)  # empty (start >= end) for the splits past the length
+        offs_g = tl.arange(0, GP)
+        offs_d = tl.arange(0, D)
+        gmask = offs_g < G
+        heads = kvh * G + offs_g
+        k_base = K + row * stride_kp + kvh * stride_kh
+        v_base = V + row * stride_vp + kvh * stride_vh
+        if NEW:  # Q is the step's projected q/k/v row: RoPE on q and the new k here, the new k/v not yet cached
+            cur = length - 1
+            rot = (offs_d + D // 2) % D  # rotate_half: (-x2, x1)
+            sign = tl.where(offs_d < D // 2, -1.0, 1.0)
+            c = tl.load(COS + b * stride_cb + offs_d).to(tl.float32)
+            s_ = tl.load(SIN + b * stride_cb + offs_d).to(tl.float32) * sign
+            qb = Q + b * stride_qb
+            q = tl.load(qb + heads[:, None] * D + offs_d[None, :], mask=gmask[:, None], other=0.0)
+            qr = tl.load(qb + heads[:, None] * D + rot[None, :], mask=gmask[:, None], other=0.0)
+            q = (q.to(tl.float32) * c[None, :] + qr.to(tl.float32) * s_[None, :]).to(q.dtype)
+            own = (start <= cur) & (cur < end)  # the one program whose split holds the new position
+            kn = tl.load(qb + (HQ + kvh) * D + offs_d, mask=own & (offs_d < D), other=0.0)
+            knr = tl.load(qb + (HQ + kvh) * D + rot, mask=own & (offs_d < D), other=0.0)
+            k_new = (kn.to(tl.float32) * c + knr.to(tl.float32) * s_).to(kn.dtype)
+            v_new = tl.load(qb + (HQ + HKV + kvh) * D + offs_d, mask=own & (offs_d < D), other=0.0)
+            end = tl.minimum(end, cur)  # the pool holds positions < cur; the new one comes from registers
+        else:
+            q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None], other=0.0)
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        for n in range(start, end, BLOCK):
+            offs_n = n + tl.arange(0, BLOCK)
+            nmask = offs_n < end
+            k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=nmask[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * SCALE
+            s = tl.where(nmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=nmask[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        if NEW:
+            if own:  # the new key last, as the loop would have taken it; then it is cached
+                s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * SCALE
+                m_new = tl.maximum(m_i, s_new)
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(s_new - m_new)
+                l_i = l_i * alpha + p
+                acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
+                m_i = m_new
+                tl.store(k_base + cur * stride_ks + offs_d, k_new)
+                tl.store(v_base + cur * stride_vs + offs_d, v_new)
+        tl.store(PO + b * stride_pob + heads[:, None] * stride_poh + sp * stride_pos + offs_d[None, :], acc,
+                 mask=gmask[:, None])
+        pml = PML + b * stride_pmb + heads * stride_pmh + sp * stride_pms
+        tl.store(pml, m_i, mask=gmask)
+        tl.store(pml + 1, l_i, mask=gmask)
+
+    @triton.jit
+    def merge_kernel(PO, PML, OUT, stride_pob, stride_poh, stride_pos, stride_pmb, stride_pmh, stride_pms,
+                     stride_ob, stride_oh, NS: tl.constexpr, NSP: tl.constexpr, D: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, NSP)
+        offs_d = tl.arange(0, D)
+        smask = offs_s < NS
+        pml = PML + b * stride_pmb + h * stride_pmh + offs_s * stride_pms
+        m = tl.load(pml, mask=smask, other=float("-inf"))
+        l = tl.load(pml + 1, mask=smask, other=0.0)
+        w = tl.where(smask, tl.exp(m - tl.max(m, 0)), 0.0)  # empty splits have m = -inf: weight 0
+        o = tl.load(PO + b * stride_pob + h * stride_poh + offs_s[:, None] * stride_pos + offs_d[None, :],
+                    mask=smask[:, None], other=0.0)
+        out = tl.sum(o * w[:, None], 0) / tl.sum(w * l, 0)
+        tl.store(OUT + b * stride_ob + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty))
+
+    return split_kernel, merge_kernel
+
+
+def launch_decode(q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, k_pool: torch.Tensor,
+                  v_pool: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The split and merge launches of `decode_attention` (``rope`` None: q [B, Hq, D]) or of
+    `decode_attention_rope` (``rope`` = (cos, sin): q is the qkv rows). Traceable inside the ops."""
+    from torch.library import wrap_triton
+
+    split_kernel, merge_kernel = _kernels()
+    hkv, s, d = k_pool.shape[1], k_pool.shape[2], k_pool.shape[3]
+    b = q.shape[0]
+    hq = q.shape[1] // d - 2 * hkv if rope is not None else q.shape[1]
+    g = hq // hkv
+    ns = n_splits(s)
+    po = torch.empty((b, hq, ns, d), dtype=torch.float32, device=q.device)
+    pml = torch.empty((b, hq, ns, 2), dtype=torch.float32, device=q.device)
+    out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
+    cos, sin = rope if rope is not None else (q, q)  # placeholders the kernel never reads
+    wrap_triton(split_kernel)[(b, hkv, ns)](
+        q, k_pool, v_pool, rows, lengths, po, pml, cos, sin,
+        q.stride(0), d if rope is not None else q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+        po.stride(0), po.stride(1), po.stride(2), pml.stride(0), pml.stride(1), pml.stride(2), cos.stride(0),
+        G=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, BLOCK=BLOCK_N, NS=ns, SCALE=d ** -0.5,
+        NEW=rope is not None, HQ=hq, HKV=hkv, num_warps=4, num_stages=2)
+    wrap_triton(merge_kernel)[(b, hq)](
+        po, pml, out, po.stride(0), po.stride(1), po.stride(2), pml.stride(0), pml.stride(1), pml.stride(2),
+        out.stride(0), out.stride(1), NS=ns, NSP=max(2, 1 << (ns - 1).bit_length()), D=d, num_warps=4)
+    return out

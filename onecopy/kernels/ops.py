@@ -1,0 +1,110 @@
+"""The ``torch.ops.onecopy`` kernel ops, defined once when this package is imported, and the calls models make.
+
+AOTInductor packages embed these ops by name and schema: keep both as they are. Each op launches
+its family's kernels (`decode`, `prefill`, `linear`) through ``wrap_triton``, so that export traces
+into the Triton kernels and the compiled package carries them.
+
+The ops are defined at import, before any trace (an op cannot be defined while a ``torch.cond``
+branch that calls it is being traced), and only where `available` says that Triton and a CUDA device
+are usable: defining one imports Triton and torch._inductor (torch inspects the op's body), which a
+CPU-only process never needs. Where they are not defined no model calls them: every caller checks
+`available` first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .decode import launch_decode
+from .linear import Norm, launch_linear
+from .prefill import launch_prefill
+from .tiles import SMALL_LINEAR_ROWS, prefill_tiles, small_linear_tiles
+
+
+def available() -> bool:
+    """True when Triton and a CUDA device are usable in this process."""
+    if not torch.cuda.is_available():  # first: a CPU-only process with Triton installed never imports it
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _define_ops() -> None:
+    """Define the ``torch.ops.onecopy`` kernel ops (called once, below)."""
+    from torch.library import triton_op
+
+    @triton_op("onecopy::decode_attention", mutates_args=())
+    def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
+                         lengths: torch.Tensor) -> torch.Tensor:
+        """q [B, Hq, D] against rows[b] of the pools [P, Hkv, S, D], positions < lengths[b]; -> [B, Hq, D]."""
+        return launch_decode(q, None, k_pool, v_pool, rows, lengths)
+
+    @triton_op("onecopy::decode_attention_rope", mutates_args=("k_pool", "v_pool"))
+    def decode_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
+                              v_pool: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """A decode step's projected qkv [B, (Hq + 2 Hkv) D]: RoPE (cos, sin [B, D]) on q and k, the new k
+        and v cached in rows[b] of the pools at position lengths[b] - 1, q against positions < lengths[b];
+        -> [B, Hq, D]."""
+        qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()  # one row stride for both (views of [B, 1, 1, D] already are)
+        return launch_decode(qkv, (cos, sin), k_pool, v_pool, rows, lengths)
+
+    @triton_op("onecopy::prefill_attention", mutates_args=())
+    def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
+                          positions: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, D] at increasing ``positions`` [T] against row rows[0] of the pools, causal; -> [T, Hq, D]."""
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        return launch_prefill(q, k_pool, v_pool, rows, positions, prefill_tiles(q.shape[-1]))
+
+    @triton_op("onecopy::small_linear", mutates_args=())
+    def small_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, glu: bool,
+                     norm_weight: torch.Tensor | None, norm_ss: torch.Tensor | None,
+                     eps: float, block_m: int, invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """[M, K] rows -> ([M, N] (N/2 with ``glu``), partial sums of squares); see `linear`'s docstring.
+        A row's result depends only on that row: fixed tiles, K reduced in one order, whatever M."""
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        residual = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
+        norm = None if norm_weight is None or norm_ss is None else (norm_weight, norm_ss.contiguous(), eps)
+        n_out = weight.shape[0] // 2 if glu else weight.shape[0]
+        return launch_linear(x, weight, residual, glu, small_linear_tiles(n_out, glu, invariant), norm, block_m)
+
+
+if available():
+    _define_ops()
+
+
+def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
+                      positions: torch.Tensor) -> torch.Tensor:
+    """See the op: a prefill chunk's causal attention over its pool row, read in place (CUDA only)."""
+    return torch.ops.onecopy.prefill_attention(q, k_pool, v_pool, rows, positions)
+
+
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
+                     lengths: torch.Tensor) -> torch.Tensor:
+    """See the op: one query per row against that row's first ``lengths[b]`` cached positions (CUDA only)."""
+    return torch.ops.onecopy.decode_attention(q, k_pool, v_pool, rows, lengths)
+
+
+def decode_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
+                          v_pool: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """See the op: a decode step's attention from its projected rows ``qkv`` [B, (Hq + 2 Hkv) D], with
+    RoPE (cos, sin [B, D]) and the write of the new k/v at ``positions`` [B] folded in (CUDA only)."""
+    return torch.ops.onecopy.decode_attention_rope(qkv, cos, sin, k_pool, v_pool, rows, positions + 1)
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
+                 glu: bool = False, norm: Norm | None = None, block_m: int = SMALL_LINEAR_ROWS,
+                 invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """See the op: ``x`` [M, K] through ``weight`` [N, K] in one kernel (CUDA only; batch-invariant),
+    with RMSNorm before it (``norm``: its weight, the partial sums of squares of ``x``'s rows [M, P] that
+    the kernel producing ``x`` returned, eps) and SwiGLU or a residual add after it. Returns the output
+    [M, N'] and its rows' partial sums of squares [M, `small_linear_programs`] (fp32), for a norm after.
+    ``block_m`` rows per program: `SMALL_LINEAR_ROWS` (fastest for a few rows) or `INVARIANT_ROWS`;
+    ``invariant``: the tiles of the batch-invariant decode (one BLOCK_N and BLOCK_K for both).
+    Callable inside a ``torch.cond`` branch: the op was defined at import."""
+    nw, ss, eps = norm if norm is not None else (None, None, 0.0)
+    return torch.ops.onecopy.small_linear(x, weight, residual, glu, nw, ss, eps, block_m, invariant)

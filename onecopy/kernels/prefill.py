@@ -1,0 +1,92 @@
+"""Prefill attention: a prefill chunk's queries against its session's row of the KV pool, causal by position.
+
+Flash attention over the pool row in place: no copy of the row, no mask tensor, and key blocks past
+a query block's last position are never visited, so a fresh prompt costs half a full attention.
+On CPU the exported methods use `attention.chunk_attention` instead. The op is defined in `ops`;
+the tiles per head size are `tiles.PREFILL_TILES`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def _prefill_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def prefill_kernel(Q, K, V, ROWS, POS, OUT, T,
+                       stride_qt, stride_qh, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
+                       stride_ot, stride_oh,
+                       G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       QK_SCALE: tl.constexpr):
+        mb = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last) query blocks start first
+        h = tl.program_id(1)
+        row = tl.load(ROWS)
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        mmask = offs_m < T
+        pos = tl.load(POS + offs_m, mask=mmask, other=0)
+        first = tl.load(POS + mb * BLOCK_M)  # chunk positions increase: the block's smallest and largest
+        last = tl.load(POS + tl.minimum(mb * BLOCK_M + BLOCK_M, T) - 1)
+        offs_d = tl.arange(0, D)
+        q = tl.load(Q + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=mmask[:, None],
+                    other=0.0)
+        k_base = K + row * stride_kp + (h // G) * stride_kh
+        v_base = V + row * stride_vp + (h // G) * stride_vh
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        # Keys up to `first` are visible to every query of the block: whole blocks of them need no mask.
+        unmasked_end = (first + 1) // BLOCK_N * BLOCK_N
+        for n in range(0, unmasked_end, BLOCK_N):
+            offs_n = n + tl.arange(0, BLOCK_N)
+            k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :])
+            s = tl.dot(q, tl.trans(k)) * QK_SCALE
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :])
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        for n in range(unmasked_end, last + 1, BLOCK_N):  # the diagonal: key j visible to query i iff j <= pos[i]
+            offs_n = n + tl.arange(0, BLOCK_N)
+            nmask = offs_n <= last
+            k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=nmask[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * QK_SCALE
+            s = tl.where(offs_n[None, :] <= pos[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every query sees key 0, so some block came before
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=nmask[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(OUT + offs_m[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(OUT.dtype.element_ty),
+                 mask=mmask[:, None])
+
+    return prefill_kernel
+
+
+def launch_prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
+                   positions: torch.Tensor, tiles: tuple[int, int, int, int]) -> torch.Tensor:
+    """One launch of the prefill kernel with the given (BLOCK_M, BLOCK_N, warps, stages): what the op
+    runs with `prefill_tiles`, and what benchmarks/prefill_attention_cuda.py times with other tiles.
+    Traceable inside the op (wrap_triton); a plain launch outside it."""
+    from torch.library import wrap_triton
+
+    t, hq, d = q.shape
+    block_m, block_n, warps, stages = tiles
+    out = torch.empty_like(q)
+    wrap_triton(_prefill_kernel())[((t + block_m - 1) // block_m, hq)](
+        q, k_pool, v_pool, rows, positions, out, t,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), out.stride(0), out.stride(1),
+        G=hq // k_pool.shape[1], D=d, BLOCK_M=block_m, BLOCK_N=block_n, QK_SCALE=d ** -0.5 * 1.4426950408889634,
+        num_warps=warps, num_stages=stages)
+    return out

@@ -1,0 +1,70 @@
+"""Every tile table and tiling constant of the CUDA kernels, in one place (no Triton needed to read them).
+
+The numbers are measurements on the H200 (benchmarks/*.py, results in benchmarks/results/); the
+models read `SMALL_LINEAR_ROWS` too, to pick between the small-linear kernel and cuBLAS.
+"""
+
+from __future__ import annotations
+
+BLOCK_N = 64  # cache positions per inner step
+# The grid has one program per (row, KV head) and SPLIT_MAX cache positions of the pool (fewer when
+# the cache is shorter); each row's filled prefix is shared evenly among them in whole blocks, so a
+# short context is still spread over many programs (batch 1, 1k context in a 16k pool: 16 programs of
+# one block per head instead of 4 of four). A row's split depends only on its own length.
+SPLIT_MAX = 256
+# Prefill tiles: (query rows, key columns, warps, pipeline stages) per program, by head size.
+# The fastest over a fresh 1k, a fresh 8k and a 2k-after-6k chunk on the H200
+# (benchmarks/prefill_attention_cuda.py, benchmarks/results/prefill_attention_h200.json).
+PREFILL_TILES = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)}
+# small_linear: the rows one program serves (the tensor-core tile's height). A call takes any number of
+# rows, a block of this many per program, each row's arithmetic the same wherever it sits (batch
+# invariance); the default decode sends more than this many rows to cuBLAS (`projections.by_rows`).
+SMALL_LINEAR_ROWS = 16
+# Rows per program past SMALL_LINEAR_ROWS in the batch-invariant decode (`invariant`). At 64 rows a program
+# reads the 8B shape's weights as fast as cuBLAS (0.9-1.25x per projection, benchmarks/gemv_cuda.py
+# --block-m 64, benchmarks/results/gemv_bm64_h200.json); programs of 16 rows re-read them (0.43-0.66x,
+# gemv_rows16_h200.json), and so did four 16-row dots per program (gemv_sub4_h200.json).
+# Up to SMALL_LINEAR_ROWS rows it keeps 16-row programs (faster for a few rows): a row gets the same bits
+# from a 16-row and a 64-row tile with the same BLOCK_N and BLOCK_K (only its partial sums of squares
+# differ: tests/gpu/test_cuda.py::test_small_linear_rows_are_independent_of_the_batch).
+INVARIANT_ROWS = 64
+SMEM_BUDGET = 200 * 1024  # bytes of shared memory the small-linear pipeline may take (H100/H200: 227 KiB)
+
+
+def small_linear_tiles(n_out: int, glu: bool, invariant: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) for ``n_out`` output features: the fastest on the H200 per
+    Llama-3-8B projection (benchmarks/gemv_cuda.py). Few outputs want long K steps to keep enough bytes
+    in flight per program; gate/up reads two tiles per step. 16 rows per program:
+    benchmarks/results/gemv_h200.json; ``invariant`` (the batch-invariant decode, whose 16- and 64-row
+    programs must share BLOCK_N and BLOCK_K so that a row's reduction order is one): the fastest with
+    64 rows per program, benchmarks/results/gemv_bm64_h200.json."""
+    if invariant:
+        if glu:
+            return (64, 128, 4, 4)
+        if n_out <= 4096:
+            return (32, 256, 4, 4)
+        if n_out <= 8192:
+            return (64, 256, 4, 3)
+        return (128, 128, 4, 4)
+    if glu:
+        return (32, 128, 4, 3)
+    if n_out <= 4096:
+        return (32, 512, 4, 4)
+    if n_out <= 8192:
+        return (64, 256, 4, 4)
+    return (64, 128, 4, 3)
+
+
+def n_splits(max_seq_len: int) -> int:
+    """Programs per (row, KV head): one per SPLIT_MAX positions of the cache (block-rounded when shorter)."""
+    return -(-max_seq_len // min(SPLIT_MAX, -(-max_seq_len // BLOCK_N) * BLOCK_N))
+
+
+def small_linear_programs(n_out: int, glu: bool, invariant: bool = False) -> int:
+    """How many partial sums of squares `small_linear` returns per row for ``n_out`` outputs."""
+    return -(-n_out // small_linear_tiles(n_out, glu, invariant)[0])
+
+
+def prefill_tiles(d: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for head size ``d``."""
+    return PREFILL_TILES.get(d, PREFILL_TILES[256] if d > 128 else PREFILL_TILES[128])  # others: the nearest

@@ -1,0 +1,135 @@
+"""Qwen3.5's gated DeltaNet token mixer (linear attention with a recurrent state per session).
+
+Its per-session state is a causal-conv window (``conv_state`` [conv_dim, kernel], the model dtype,
+as transformers' cache keeps it) and a recurrent matrix per value head (``recurrent_state``
+[v_heads, k_head_dim, v_head_dim], always fp32, as transformers keeps it), rows of pools the runtime
+passes in: ``decode`` runs one recurrent step per session (rows gathered, new state written back
+with ``index_copy_``), ``prefill`` runs the chunked gated delta rule over a session's chunk of T
+tokens starting from its row. T is dynamic in export, so the chunking is a fixed number n of chunks
+(`qwen3_5.Qwen35.prefill_chunks`: a static trip count) of ``ceil(T / n) + 1`` slots each, the tail
+padded with tokens that leave the state untouched (zero key, beta and log decay); the within-chunk
+work (UT transform, one batched triangular solve) is batched over the chunks, only the state
+hand-over between chunks is a loop. A call starting at position 0 starts from a zero state whatever
+the row holds. The math follows transformers' ``modeling_qwen3_5``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import layers
+from .attention import Step
+
+if TYPE_CHECKING:
+    from .qwen3_5 import Qwen35Config
+
+
+class GatedRMSNorm(layers.RMSNorm):
+    """The DeltaNet output norm: Llama's ``w * norm(x)`` (plain weight) times ``silu(gate)`` in fp32."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return (super().forward(x) * F.silu(gate.float())).to(x.dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           state: torch.Tensor, n_chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over one session's T tokens, in ``n_chunks`` chunks of ceil(T / n_chunks) + 1 slots.
+
+    q, k: [H, T, dk] (l2-normalised), v: [H, T, dv], g (log decay), beta: [H, T], state: [H, dk, dv];
+    all fp32. Returns the output [H, T, dv] and the final state. Same math as transformers'
+    ``torch_chunk_gated_delta_rule`` (UT transform per chunk, state passed chunk to chunk); the
+    tail padding (zero q, k, v, beta and log decay) leaves the state exactly as it is.
+    """
+    h, t, dk = k.shape
+    n = n_chunks
+    c = (t + n - 1) // n + 1  # one spare slot per chunk: c >= 2 provably (export would guard on c == 1)
+    q = q * dk ** -0.5
+    q, k, v = (F.pad(x, (0, 0, 0, n * c - t)).view(h, n, c, x.shape[-1]) for x in (q, k, v))
+    g, beta = (F.pad(x, (0, n * c - t)).view(h, n, c) for x in (g, beta))
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    decay = g.cumsum(-1)  # [H, n, c]: log decay from the chunk's start to each position
+    upper = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
+    pairwise = (decay[..., :, None] - decay[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    ut = (k_beta @ k.transpose(-1, -2)) * pairwise  # (I + strictly lower part) is the UT system
+    intra = (q @ k.transpose(-1, -2)) * pairwise
+    rhs = torch.cat([v_beta, k_beta * decay.exp()[..., None]], dim=-1)  # both right-hand sides in one solve
+    new_values, k_cumdecay = torch.linalg.solve_triangular(ut, rhs, upper=False, unitriangular=True).split(
+        [v_beta.shape[-1], dk], dim=-1)
+    q = q * decay.exp()[..., None]
+    k = k * (decay[..., -1:] - decay).exp()[..., None]
+    chunk_decay = decay[..., -1].exp()[..., None, None]  # [H, n, 1, 1]
+    outs = []
+    for i in range(n):  # static trip count: the state hand-over between chunks
+        v_new = new_values[:, i] - k_cumdecay[:, i] @ state
+        outs.append(q[:, i] @ state + intra[:, i] @ v_new)
+        state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
+    out = torch.stack(outs, 1).view(h, n * c, v.shape[-1])
+    # the T real positions (a slice would need t <= n * c proven symbolically)
+    return out.index_select(1, torch.arange(t, device=out.device)), state
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet token mixer; q/k/v, z, b and a projections fused into one ``in_proj``."""
+
+    def __init__(self, cfg: Qwen35Config) -> None:
+        super().__init__()
+        self.nk, self.nv = cfg.linear_n_k_heads, cfg.linear_n_v_heads
+        self.dk, self.dv = cfg.linear_k_head_dim, cfg.linear_v_head_dim
+        self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = cfg.linear_conv_kernel
+        self.in_proj = nn.Linear(cfg.dim, self.conv_dim + self.value_dim + 2 * self.nv, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.nv))
+        self.A_log = nn.Parameter(torch.zeros(self.nv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, step: Step, conv_pool: torch.Tensor, rec_pool: torch.Tensor,
+                n_chunks: int) -> torch.Tensor:
+        """x: [N, T, dim] (decode: N sessions, T = 1; prefill: N = 1)."""
+        n, t, _ = x.shape
+        mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.nv, self.nv], dim=-1)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [N, T, nv] fp32
+        fresh = (step.input_pos == 0) if step.decode else (step.input_pos[:1] == 0)  # [N]: start from zero
+        conv_state = conv_pool.index_select(0, step.rows)  # [N, conv_dim, kernel]
+        conv_state = torch.where(fresh[:, None, None], torch.zeros_like(conv_state), conv_state)
+        window = torch.cat([conv_state, mixed.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # [N, C, kernel + T]
+        conv_pool.index_copy_(0, step.rows, window[..., t:])  # the last `kernel` inputs
+        w = self.conv1d.weight  # [C, 1, kernel]
+        if step.decode:
+            conv = (window[..., 1:] * w[:, 0]).sum(-1, keepdim=True)  # [N, C, 1]
+        else:
+            conv = F.conv1d(window, w, groups=self.conv_dim)[..., 1:]  # [1, C, T]
+        mixed = F.silu(conv).to(x.dtype).transpose(1, 2)  # [N, T, C]
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        rep = self.nv // self.nk
+        q = l2norm(q.reshape(n, t, self.nk, self.dk).float()).repeat_interleave(rep, dim=2)
+        k = l2norm(k.reshape(n, t, self.nk, self.dk).float()).repeat_interleave(rep, dim=2)
+        v = v.reshape(n, t, self.nv, self.dv).float()
+        state = rec_pool.index_select(0, step.rows)  # [N, nv, dk, dv] fp32
+        state = torch.where(fresh[:, None, None, None], torch.zeros_like(state), state)
+        if step.decode:  # one recurrent step per session (transformers' torch_recurrent_gated_delta_rule)
+            q, k, v = q[:, 0] / self.dk ** 0.5, k[:, 0], v[:, 0]  # [N, nv, d]
+            state = state * g[:, 0].exp()[..., None, None]
+            kv_mem = (state * k[..., None]).sum(-2)
+            delta = (v - kv_mem) * beta[:, 0].float()[..., None]
+            state = state + k[..., None] * delta[..., None, :]
+            out = (state * q[..., None]).sum(-2)[:, None]  # [N, 1, nv, dv]
+        else:
+            out, state = chunk_gated_delta_rule(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                                                g[0].transpose(0, 1), beta[0].float().transpose(0, 1), state[0],
+                                                n_chunks)
+            out, state = out.transpose(0, 1)[None], state[None]
+        rec_pool.index_copy_(0, step.rows, state.to(rec_pool.dtype))
+        out = self.norm(out.to(x.dtype), z.reshape(n, t, self.nv, self.dv))
+        return self.out_proj(out.reshape(n, t, self.value_dim))
