@@ -169,7 +169,8 @@ def main() -> None:
     print(f"{'B':>3} {'variant':<14} {'ms':>8} {'bw share':>9} {'err':>9}")
     for r in res["runs"]:
         if "ms" in r:
-            print(f"{r['batch']:>3} {r['variant']:<14} {r['ms']:>8.4f} {r['share_of_copy_bw']:>9.3f} {r['rel_err_vs_fp64']:>9.2e}")
+            print(f"{r['batch']:>3} {r['variant']:<14} {r['ms']:>8.4f} {r['share_of_copy_bw']:>9.3f} "
+                  f"{r['rel_err_vs_fp64']:>9.2e}")
 
 
 if __name__ == "__main__":

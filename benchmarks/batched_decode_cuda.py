@@ -14,7 +14,8 @@ For S = 1, 4, 16, 64 concurrent sessions, each with its own 1024-token prompt an
 - transformers: `generate_batch` (continuous batching, paged attention) on the engine's own weight
   tensors (split back into q/k/v and gate/up views: no second copy).
 Reported per S: aggregate decode tok/s (tokens produced while every session decodes: after the last
-session's first token and before the first session's last), inter-token latency p50/p99 per session, time to first token p50/p99, end-to-end
+session's first token and before the first session's last), inter-token latency p50/p99 per session, time to first
+token p50/p99, end-to-end
 tok/s (all generated tokens over the whole run, prefill included: the only figure the peer exposes
 without per-token timestamps). Plus the engine's memory report (pool, graphs + runners).
 """
@@ -136,7 +137,8 @@ def main() -> None:
     r = engine.memory_report()
     res["memory"] = {"weights_bytes": r.resident_weight_bytes, "pool_bytes": r.pool_bytes, "pool_rows": r.pool_rows,
                      "graph_buckets": r.graph_buckets, "graphs_and_runners_bytes": r.graph_bytes,
-                     "graph_capture_s": round(engine.runner.step.graphs.capture_seconds, 2) if engine.runner.step.graphs else None,
+                     "graph_capture_s": (round(engine.runner.step.graphs.capture_seconds, 2)
+                                         if engine.runner.step.graphs else None),
                      "device_used_by_engine_bytes": r.device_used_bytes}
     print(res["memory_report"], flush=True)
     run_onecopy(engine, prompts[counts[0]][:1], 8)  # warm-up: prefill kernels, sampler

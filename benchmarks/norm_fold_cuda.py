@@ -50,7 +50,7 @@ def main() -> None:
             tiles = kernels.small_linear_tiles(n // 2 if glu else n, glu)
             row = {"proj": name, "M": m}
             row["plain_us"] = 1e3 * graph_ms([functools.partial(kernels.launch_linear, x, w, None, glu, tiles) for w in ws])
-            row["sep_norm_us"] = 1e3 * graph_ms([lambda w=w, x=x, g=g, glu=glu, tiles=tiles: kernels.launch_linear(norm_c(x, g, 1e-5), w, None, glu, tiles)
+            row["sep_norm_us"] = 1e3 * graph_ms([lambda w=w, x=x, g=g, glu=glu, tiles=tiles: kernels.launch_linear(norm_c(x, g, 1e-5), w, None, glu, tiles)  # noqa: E501
                                                  for w in ws])
             ref = kernels.launch_linear(norm_c(x, g, 1e-5), ws[0], None, glu, tiles)[0].float()
             row["folded_us"] = 1e3 * graph_ms([functools.partial(kernels.launch_linear, x, w, None, glu, tiles,

@@ -287,7 +287,8 @@ def read_bundle(path: str | Path, device_kind: str) -> Bundle:
                                 "the manifest and packages come from different exports: export again")
         undeclared = sorted(set(spec.state) - set(m.state))
         if undeclared or not set(spec.writes) <= set(spec.state):
-            raise CoverageError(f"method {spec.name!r} takes state {(undeclared or sorted(set(spec.writes) - set(spec.state)))[:5]} "
+            which = (undeclared or sorted(set(spec.writes) - set(spec.state)))[:5]
+            raise CoverageError(f"method {spec.name!r} takes state {which} "
                                 "that the manifest does not declare; the manifest is damaged: export again")
     wfile = path / m.weights_file
     if not wfile.is_file():

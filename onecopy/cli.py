@@ -218,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-sessions", type=int, help="requests generated at once (rows of the state pool)")
     v.add_argument("--max-queue", type=int, default=64, help="requests waiting for a row before 429 (default 64)")
     v.add_argument("--model-name", help="the model id clients use (default: the source's name)")
-    v.add_argument("--deterministic", action="store_true", help="batch-invariant decoding: a session's tokens never depend on its neighbours")
+    v.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant decoding: a session's tokens never depend on its neighbours")
     v.add_argument("--grace", type=float, default=10.0, help="seconds streams get to finish after SIGTERM")
     v.add_argument("--max-body-bytes", type=int, default=4 << 20)
     v.add_argument("--no-conversation-cache", action="store_true", help="prefill every chat's history again")

@@ -150,7 +150,7 @@ CASES = [
     (truncated_manifest, onecopy.ManifestError, r"not valid JSON .* truncated"),
     (missing_field, onecopy.ManifestError, r"lacks or mangles a required field .*methods"),
     (wrong_device_kind, onecopy.DeviceMismatchError, r"compiled for 'cuda' but you asked for 'cpu'.*--device cpu"),
-    (other_torch_release, onecopy.TorchVersionMismatchError, r"compiled by torch 2.9.1\+cu128 but this is torch .* export the bundle again"),
+    (other_torch_release, onecopy.TorchVersionMismatchError, r"compiled by torch 2.9.1\+cu128 but this is torch .* export the bundle again"),  # noqa: E501
     (undeclared_constant, onecopy.CoverageError, r"needs constants the bundle does not provide: \['layers.9.ghost.weight'\]"),
     (package_constants_disagree, onecopy.CoverageError, r"package needs constants \['norm.weight'\]"),
     (truncated_weights, onecopy.BundleError, r"(truncated|header).*export"),

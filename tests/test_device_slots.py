@@ -26,7 +26,7 @@ def test_slot_round_trip_reset_and_close(tiny_engine):
 def test_slot_shape_and_dtype_are_checked_on_use(tiny_engine):
     s = tiny_engine.open_session()
     s.keep("tok", torch.tensor([[7, 8]]))
-    with pytest.raises(onecopy.InputError, match=r"input 'tokens' has shape \[1, 2\], compiled for \[\{'min': 1, 'max': 1024\}, 1\]"):
+    with pytest.raises(onecopy.InputError, match=r"input 'tokens' has shape \[1, 2\], compiled for \[\{'min': 1, 'max': 1024\}, 1\]"):  # noqa: E501
         s.run("decode", Slot("tok"), torch.tensor([0]))
     s.keep("tok", torch.tensor([[7.0]]))
     with pytest.raises(onecopy.InputError, match="input 'tokens' must be int64, got float32"):

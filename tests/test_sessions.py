@@ -124,7 +124,7 @@ def test_max_sessions_refusal_names_the_numbers(tiny_bundle):
 def test_memory_budget_sizes_the_pool(tiny_bundle):
     with onecopy.Engine.load(tiny_bundle, max_sessions=1) as e:
         per = e.session_bytes + 3 * e.vocab_size  # a row of state and of the sampler's tables
-    with pytest.raises(onecopy.SessionCapacityError, match=rf"no session fits: one needs {2 * per} bytes .*memory_budget=1 bytes"):
+    with pytest.raises(onecopy.SessionCapacityError, match=rf"no session fits: one needs {2 * per} bytes .*memory_budget=1 bytes"):  # noqa: E501
         onecopy.Engine.load(tiny_bundle, memory_budget=1)
     with onecopy.Engine.load(tiny_bundle, memory_budget=int(3.5 * per)) as e:
         assert e.capacity() == 2 and "2 rows fit in memory_budget=" in e.memory_report().pool_sizing
@@ -151,7 +151,7 @@ def test_closed_session_errors(tiny_engine):
     s = tiny_engine.open_session()
     s.close()
     s.close()  # idempotent
-    for call in (lambda: s.prefill([1, 2]), lambda: s.run("decode", torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long)),
+    for call in (lambda: s.prefill([1, 2]), lambda: s.run("decode", torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long)),  # noqa: E501
                  lambda: next(s.generate_ids([1, 2])), s.reset, s.snapshot):
         with pytest.raises(onecopy.SessionClosedError, match=f"session {s.id} is closed; open a new one"):
             call()

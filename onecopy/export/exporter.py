@@ -55,8 +55,9 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
     """Export ``source`` into a bundle at ``out_dir`` and return its path.
 
     ``max_seq_len`` defaults to the family's natural bound (Llama: min(2048, the model's context);
-    Whisper: its 448 decoder positions). ``methods`` defaults to every method of the model's family (Llama: prefill, decode; Whisper:
-    encoder, decoder). Each is exported and compiled without constants (weightless package); methods named in
+    Whisper: its 448 decoder positions). ``methods`` defaults to every method of the model's family (Llama:
+    prefill, decode; Whisper: encoder, decoder). Each is exported and compiled without constants
+    (weightless package); methods named in
     ``embed_weights`` are compiled the default way, carrying their own weights (the fallback path,
     kept for compatibility tests). The bundle is written to a temporary directory and renamed into
     place only when complete, so a failed export leaves nothing behind.

