@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,13 @@ class HostReads:
                 return _real(t, *a, **k)
 
             monkeypatch.setattr(torch.Tensor, name, spy)
+
+
+def wait_until(pred, timeout: float = 10.0) -> bool:
+    """Poll ``pred`` until true (True) or ``timeout`` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

@@ -13,17 +13,10 @@ import onecopy
 from onecopy.errors import EngineFailedError, InputError, StepFailedError
 from onecopy.serve import BackgroundServer, ServerConfig
 
+from .conftest import wait_until as _wait_until
+
 GREEDY = onecopy.SamplingParams(max_new_tokens=8)
 CUDA_ERROR = "CUDA error: an illegal memory access was encountered"
-
-
-def _wait_until(pred, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 @pytest.fixture

@@ -16,20 +16,13 @@ import pytest
 import onecopy
 from onecopy.serve import BackgroundServer, ServerConfig
 
+from .conftest import wait_until as _wait_until
+
 QUESTION = "What is the capital of France?"
 
 
 def _client(server, **kw):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=kw.pop("api_key", "unused"), max_retries=0, timeout=120, **kw)
-
-
-def _wait_until(pred, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 @pytest.fixture
