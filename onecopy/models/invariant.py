@@ -10,7 +10,8 @@ up to 16 rows, 64 past that (a row gets the same bits from either tile: tests/gp
 
 CPU bundles have no such method: there a deterministic engine runs the BLAS decode one row per call
 (`runtime.step`), invariant by construction and faster than any batched invariant reduction we
-built (an Inductor mul + sum per linear ran the SmolLM2 decode on one thread, ~12x slower).
+built (an Inductor mul + sum per linear ran the SmolLM2 decode on one thread, ~12x slower in an ad
+hoc timing: README).
 """
 
 from __future__ import annotations

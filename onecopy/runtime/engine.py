@@ -203,7 +203,7 @@ class Engine:
         m = self.manifest
         if not m.state:
             raise InputError(f"bundle {self.path} declares no session state; this onecopy serves stateful methods")
-        decode = next((x for x in self._methods.values() if x.role == "decode"), None)
+        decode = self._role("decode")
         if cuda_graphs and (decode is None or decode.embeds_weights):
             raise InputError(f"cuda_graphs=True needs a 'decode' method bound to the shared weights; bundle "
                              f"{self.path} has {', '.join(self._methods)}: load it with cuda_graphs=False")
@@ -225,8 +225,8 @@ class Engine:
         # Overlap step t+1 with step t's ids on CUDA; not with recurrent state: the step queued after a
         # stop id would advance it for good.
         self.loop = EngineLoop(self.scheduler, self.runner, self._lock, on_finished=self._request_finished,
-                               overlap=self.device.type == "cuda" and not self.recurrent_state)
-        self.loop.recurrent_state = bool(self.recurrent_state)
+                               overlap=self.device.type == "cuda" and not self.recurrent_state,
+                               recurrent_state=bool(self.recurrent_state))
 
     # -- introspection -------------------------------------------------------------------------
     @property
@@ -340,6 +340,15 @@ class Engine:
             out.append(v)
         return out
 
+    def check_prompt_fits(self, ids: Sequence[int], start: int) -> None:
+        """InputError for an empty prompt, PromptTooLongError if ``ids`` after ``start`` tokens pass max_seq_len."""
+        if not ids:
+            raise InputError("prompt is empty; give at least one token")
+        if start + len(ids) > self.max_seq_len:
+            raise PromptTooLongError(
+                f"prompt of {len(ids)} tokens after {start} already in the session exceeds max_seq_len={self.max_seq_len}; "
+                "shorten the prompt, reset the session, or export the bundle with a larger --max-seq-len")
+
     def encode_prompt(self, prompt: str | Sequence[int], *, chat: bool = True) -> list[int]:
         """Token ids of a text prompt (through the chat template unless ``chat=False``) or of given ids."""
         if isinstance(prompt, str):
@@ -447,18 +456,13 @@ class Engine:
         self.check_open()
         params = params or SamplingParams()
         ids = self.encode_prompt(prompt, chat=chat)
-        if not ids:
-            raise InputError("prompt is empty; give at least one token")
         start = 0
         if session is not None:
             session.check_open()
             if session.engine is not self:
                 raise InputError(f"session {session.id} belongs to another engine")
             start = session.position
-        if start + len(ids) > self.max_seq_len:
-            raise PromptTooLongError(
-                f"prompt of {len(ids)} tokens after {start} already in the session exceeds max_seq_len={self.max_seq_len}; "
-                "shorten the prompt, reset the session, or export the bundle with a larger --max-seq-len")
+        self.check_prompt_fits(ids, start)
         if encode_inputs is not None:
             encode_inputs = tuple(encode_inputs)
             self.method(self.role_method("encode")).check_inputs(encode_inputs)

@@ -169,7 +169,7 @@ class EngineLoop:
     """The thread that serves every request of one engine (see the module doc). Starts at the first request."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, lock: threading.RLock, *,
-                 on_finished: Callable[[Request], None], overlap: bool) -> None:
+                 on_finished: Callable[[Request], None], overlap: bool, recurrent_state: bool) -> None:
         self.scheduler, self.runner, self.lock = scheduler, runner, lock
         self._on_finished = on_finished  # releases the request's row (the engine's part)
         self._overlap = overlap
@@ -178,7 +178,7 @@ class EngineLoop:
         self._stopping = False
         self._next_id = 0
         self.failed: str | None = None  # why the engine can serve no more (a sticky device error)
-        self.recurrent_state = False  # set by the engine: overlap would advance such state for good
+        self.recurrent_state = recurrent_state  # overlap would advance such state for good
 
     # -- public ---------------------------------------------------------------------------------
     @property

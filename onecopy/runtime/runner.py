@@ -186,13 +186,10 @@ class ModelRunner:
 
     # -- lifetime -----------------------------------------------------------------------------------
     def close(self) -> None:
-        """Free graphs, the pool, the sampler tables and the methods (not the weights: the engine's)."""
+        """Free graphs, the pool and the sampler tables (the methods and weights are the engine's)."""
         if self.step is not None and self.step.graphs is not None:
             self.step.graphs.release()
         self.step = None
         self.workspace.clear()
         self.pool.release_memory()
         self.sampler.clear()
-        for m in self.methods.values():
-            m.close()
-        self.methods.clear()

@@ -71,6 +71,7 @@ class Session:
     def _check_idle(self) -> None:
         """Call under the engine's lock: no request can then start on this session until it is released."""
         self.check_open()
+        self.engine.check_open()
         if self._stream is not None and not self._stream.done:
             raise InputError(f"session {self.id} has a request running; wait for it or cancel it first")
 
@@ -85,7 +86,6 @@ class Session:
         """
         with self.engine.lock:
             self._check_idle()
-            self.engine.check_open()
             resolved = tuple(self.slot(i.name) if isinstance(i, Slot) else i for i in inputs)
             out = self.engine.runner.run(self.row, method, resolved)
         if keep_as is not None:
@@ -119,17 +119,11 @@ class Session:
         in max_seq_len, both before any method runs.
         """
         ids = self.engine.check_token_ids(ids)
-        if not ids:
-            raise InputError("prompt is empty; give at least one token")
-        limit = self.engine.max_seq_len
-        if self.position + len(ids) > limit:
-            raise PromptTooLongError(
-                f"prompt of {len(ids)} tokens after {self.position} already in the session exceeds max_seq_len={limit}; "
-                "shorten the prompt, reset the session, or export the bundle with a larger --max-seq-len")
         logits = None
         runner = self.engine.runner
         with self.engine.lock:
             self._check_idle()
+            self.engine.check_prompt_fits(ids, self.position)  # under the lock: the position is final here
             if self.engine.has_prefill:
                 chunk = self.engine.scheduler.prefill_chunk
                 for i in range(0, len(ids), chunk):

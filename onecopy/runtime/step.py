@@ -7,8 +7,9 @@ What a session's numbers may depend on is decided here. A deterministic engine n
 bits to be the same whatever the batch: with a batch-invariant decode (CUDA, `models.invariant`)
 a step runs batched; with any other (the BLAS decode of a CPU bundle, or an older CUDA bundle) it
 runs one row per call, each call a batch of one that reads only that row: invariant by construction.
-On 2 CPU cores that costs SmolLM2 ~60 ms per row against ~26 ms per row batched at 8 (measured:
-benchmarks/results/deterministic_cost_smollm2_cpu.json). Nothing is padded to the pool size.
+It gives up batching: on 2 CPU cores SmolLM2 generates ~11.5 tok/s this way at 1, 4 or 8 sessions,
+against 11.6/27/33 tok/s batched (benchmarks/results/batch_invariance_smollm2_cpu.json). Nothing is
+padded to the pool size.
 """
 
 from __future__ import annotations
