@@ -29,6 +29,12 @@ def det_chunked(tiny_bundle):
         yield engine
 
 
+def _slow_decode(engine, monkeypatch, seconds=0.01):
+    """Make each decode step take a while, so a test that acts mid-request is not outrun by the loop."""
+    real = engine.runner.decode
+    monkeypatch.setattr(engine.runner, "decode", lambda *a, **k: (time.sleep(seconds), real(*a, **k))[1])
+
+
 def _run_alone(engine, prompt, params):
     with engine.open_session() as s:
         ids = s.submit(prompt, params, stop_ids=[]).result(timeout=120)
@@ -36,17 +42,19 @@ def _run_alone(engine, prompt, params):
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
-def test_concurrent_requests_equal_their_solo_runs_bit_for_bit(det_chunked, overlap):
+def test_concurrent_requests_equal_their_solo_runs_bit_for_bit(det_chunked, overlap, monkeypatch):
     """Deterministic mode, sessions joining and leaving mid-run: tokens and final state rows equal each run alone.
     Overlapped: each step is queued before the previous step's ids are read (the CUDA schedule)."""
     engine = det_chunked
     engine.loop.overlap = overlap
     solo = {k: _run_alone(engine, p, sp) for k, (p, sp) in REQUESTS.items()}
     cancelled_prompt = [60, 61, 62, 63]
-    cancelled_solo = _run_alone(engine, cancelled_prompt, GREEDY)[0]
+    leaving_params = onecopy.SamplingParams(max_new_tokens=40)  # far more than the 4 read before it leaves
+    cancelled_solo = _run_alone(engine, cancelled_prompt, leaving_params)[0]
+    _slow_decode(engine, monkeypatch)  # the test reacts mid-run however fast the machine
     sessions = {k: engine.open_session() for k in REQUESTS}
     streams = {k: sessions[k].submit(*REQUESTS[k], stop_ids=[]) for k in ("short", "sampled", "long", "early")}
-    leaving = engine.submit(cancelled_prompt, GREEDY, stop_ids=[])
+    leaving = engine.submit(cancelled_prompt, leaving_params, stop_ids=[])
     got_before_cancel = []
     for t in leaving:  # leaves after 4 tokens, mid-run
         got_before_cancel.append(t)
@@ -118,8 +126,9 @@ def test_async_streams(tiny_engine):
     assert asyncio.run(main()) == want
 
 
-def test_cancel_mid_stream_frees_the_row_at_once(tiny_bundle):
+def test_cancel_mid_stream_frees_the_row_at_once(tiny_bundle, monkeypatch):
     with onecopy.Engine.load(tiny_bundle, max_sessions=2) as engine:
+        _slow_decode(engine, monkeypatch)
         stream = engine.submit([1, 2, 3], onecopy.SamplingParams(max_new_tokens=50), stop_ids=[])
         seen = []
         for t in stream:
@@ -213,12 +222,14 @@ def test_bad_requests_are_refused_before_any_kernel_runs(tiny_engine, monkeypatc
     with pytest.raises(onecopy.InputError, match=r"decode on one session takes a batch of 1, got 2"):
         s.run("decode", torch.tensor([[1], [2]]), torch.tensor([0, 0]))
     assert calls == []
-    running = s.submit([1, 2], onecopy.SamplingParams(max_new_tokens=60), stop_ids=[])
-    with pytest.raises(onecopy.InputError, match=r"session \d+ already has a request running; wait for it"):
-        s.submit([1, 2], GREEDY)
-    with pytest.raises(onecopy.InputError, match=r"has a request running; wait for it or cancel it first"):
-        s.prefill([1])
-    s.close()  # cancels the running request first
+    with tiny_engine.lock:  # the loop cannot step (nor finish the request) while the test holds the lock
+        running = s.submit([1, 2], onecopy.SamplingParams(max_new_tokens=60), stop_ids=[])
+        with pytest.raises(onecopy.InputError, match=r"session \d+ already has a request running; wait for it"):
+            s.submit([1, 2], GREEDY)
+        with pytest.raises(onecopy.InputError, match=r"has a request running; wait for it or cancel it first"):
+            s.prefill([1])
+        running.cancel(wait=False)  # the loop finishes it "cancelled" before it could step
+    s.close()  # waits for the cancellation, then gives the row back
     assert running.finish_reason == "cancelled" and tiny_engine.capacity() == tiny_engine.max_sessions
 
 
