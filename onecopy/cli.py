@@ -53,17 +53,38 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         raise OnecopyError("give a model SOURCE or --bundle DIR, not both")
     bundle = Path(a.bundle) if a.bundle else default_bundle(a.device, model=a.source or EMBEDDED_DEFAULT)
     name = a.model_name or a.source or read_manifest(bundle).build.get("source") or bundle.name
-    engine = Engine.load(bundle, a.device, max_sessions=a.max_sessions, max_queue=a.max_queue,
-                         deterministic=a.deterministic)
     config = ServerConfig(model_name=str(name), api_key=a.api_key, max_body_bytes=a.max_body_bytes,
                           conversation_cache=not a.no_conversation_cache, conversation_ttl_s=a.conversation_ttl,
                           max_conversations=a.max_conversations)
     if a.host not in ("127.0.0.1", "localhost", "::1") and not a.api_key:
         print(f"onecopy: warning: serving on {a.host} without --api-key: anyone who reaches this port can use it",
               file=sys.stderr)
+    if a.replicas is not None:
+        return _serve_replicas(a, bundle, config)
+    if a.ray_address is not None:
+        raise OnecopyError("--ray-address needs --replicas N (without it onecopy serves in this process)")
+    engine = Engine.load(bundle, a.device, max_sessions=a.max_sessions, max_queue=a.max_queue,
+                         deterministic=a.deterministic)
     print(f"onecopy: serving {name} on http://{a.host}:{a.port}/v1 ({engine.max_sessions} sessions at once)",
           file=sys.stderr)
     serve(engine, config, host=a.host, port=a.port, grace_s=a.grace)
+    return 0
+
+
+def _serve_replicas(a: argparse.Namespace, bundle: Path, config) -> int:
+    try:
+        from .replicas.deployments import ReplicaSpec
+        from .replicas.launch import ReplicatedServer
+    except ImportError as e:
+        raise OnecopyError(f"--replicas runs on Ray Serve, which is not installed ({e}); "
+                           "install it with: pip install 'onecopy[ray]'") from None
+    spec = ReplicaSpec(bundle=str(bundle.resolve()), device=a.device, max_sessions=a.max_sessions,
+                       max_queue=a.max_queue, deterministic=a.deterministic, server=config)
+    where = f"the Ray cluster at {a.ray_address}" if a.ray_address else "a local Ray cluster"
+    print(f"onecopy: serving {config.model_name} on http://{a.host}:{a.port}/v1 from {a.replicas} replica(s) on {where} "
+          f"(one engine per {'GPU' if a.device == 'cuda' else 'CPU'})", file=sys.stderr)
+    ReplicatedServer(spec, a.replicas, ray_address=a.ray_address, host=a.host, port=a.port,
+                     grace_s=a.grace).serve_forever()
     return 0
 
 
@@ -225,6 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--no-conversation-cache", action="store_true", help="prefill every chat's history again")
     v.add_argument("--conversation-ttl", type=float, default=600.0, help="seconds an idle conversation is kept")
     v.add_argument("--max-conversations", type=int, help="idle conversations kept (default: as rows allow)")
+    v.add_argument("--replicas", type=int, metavar="N",
+                   help="serve from N engines on Ray Serve, one per GPU (or per CPU): pip install 'onecopy[ray]'")
+    v.add_argument("--ray-address", metavar="auto|ADDR",
+                   help="with --replicas: join this Ray cluster ('auto': the one `ray start` runs here) instead of "
+                        "starting a local one")
     v.set_defaults(fn=_cmd_serve)
 
     b = sub.add_parser("bench", help="batch-1 generation next to torch.compile and transformers (CUDA); "

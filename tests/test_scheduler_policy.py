@@ -136,3 +136,28 @@ def test_the_queue_bound_counts_only_requests_no_free_row_will_take():
     with pytest.raises(QueueFullError, match="1 requests already wait for a free row"):
         s.add(request([1]))
     assert s.stats.requests_submitted == 3
+
+
+class FakeReclaimer:
+    """Kept conversations: idle sessions the scheduler may close for a row."""
+
+    def __init__(self, idle: int) -> None:
+        self.n = idle
+
+    def idle(self) -> int:
+        return self.n
+
+    def reclaim(self) -> bool:
+        return False
+
+
+def test_a_queue_of_zero_takes_what_the_rows_take_and_kept_conversations_count_as_room():
+    s = scheduler(rows=2, max_queue=0)
+    s.add(request([1])), s.add(request([2]))  # both fit the free rows: nothing waits
+    with pytest.raises(QueueFullError, match=r"max_queue=0"):
+        s.add(request([3]))
+    s.reclaimer = FakeReclaimer(idle=1)  # a kept conversation can give its row up
+    s.add(request([3]))
+    with pytest.raises(QueueFullError):
+        s.add(request([4]))
+    assert s.stats.requests_submitted == 3

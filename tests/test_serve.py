@@ -250,10 +250,12 @@ def test_conversation_reuse_gives_the_same_replies(smol_engine):
     def chat(config):
         with BackgroundServer(smol_engine, config) as server:
             c, history, replies = _client(server), [], []
-            for t in turns:
+            for i, t in enumerate(turns):
                 history.append({"role": "user", "content": t})
                 r = c.chat.completions.create(model="smollm2", messages=history, temperature=0, max_tokens=24)
                 replies.append(r.choices[0].message.content)
+                cached = r.usage.prompt_tokens_details.cached_tokens
+                assert cached == 0 if i == 0 or not config.conversation_cache else 0 < cached < r.usage.prompt_tokens
                 history.append({"role": "assistant", "content": replies[-1]})
             metrics = httpx.get(server.url + "/metrics").text
             hits = server.app.state.onecopy.cache.hits if server.app.state.onecopy.cache else 0

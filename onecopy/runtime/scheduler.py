@@ -169,21 +169,23 @@ class Scheduler:
     # -- intake ------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         """Queue a checked request; QueueFullError when ``max_queue`` requests already wait for a row."""
-        if self.max_queue is not None and req.own_session and self.backlog() >= self.max_queue:
+        if self.max_queue is not None and req.own_session and self.backlog(extra=1) > self.max_queue:
             raise QueueFullError(f"{self.backlog()} requests already wait for a free row (max_queue={self.max_queue}); "
                                  "retry later, or load the engine with a larger max_queue")
         self._waiting.append(req)
         self.stats.requests_submitted += 1
 
-    def backlog(self) -> int:
-        """Queued requests that no free row will take at the next admission.
+    def backlog(self, extra: int = 0) -> int:
+        """Queued requests (plus ``extra`` about to be) that no row will take at the next admission.
 
         Requests not admitted yet while rows are free are not waiting for a row: counting them would
         refuse a burst that fits the pool (three at once into two rows and a queue of two got a 429
-        when no loop iteration ran between the submits).
+        when no loop iteration ran between the submits). Rows held by idle sessions the reclaimer can
+        close (kept conversations) count as free: a new request takes one of them at admission.
         """
-        need_row = sum(1 for r in self._waiting if r.own_session and not r.cancel_requested)
-        return max(0, need_row - self.rows.free_rows)
+        need_row = extra + sum(1 for r in self._waiting if r.own_session and not r.cancel_requested)
+        reclaimable = self.reclaimer.idle() if self.reclaimer is not None else 0
+        return max(0, need_row - self.rows.free_rows - reclaimable)
 
     def has_work(self) -> bool:
         """Whether an iteration would do anything now."""

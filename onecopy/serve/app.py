@@ -83,7 +83,8 @@ class _Generation:
     def usage(self) -> dict[str, int]:
         prompt = len(self.req.prompt_ids)
         return {"prompt_tokens": prompt, "completion_tokens": len(self.stream.ids),
-                "total_tokens": prompt + len(self.stream.ids)}
+                "total_tokens": prompt + len(self.stream.ids),
+                "prompt_tokens_details": {"cached_tokens": self.reused}}  # held by a kept conversation, not prefilled
 
     def settle(self) -> None:
         """After the request (blocking: run in a thread): stop it if still running, then keep the
