@@ -177,7 +177,7 @@ def test_conversations_stay_with_their_replica_full_rows_give_429_and_a_dead_rep
     threads = [threading.Thread(target=long_stream) for _ in range(8)]
     for t in threads:
         t.start()
-    assert wait_until(lambda: _health(smol.url)["running"] == 8, timeout=60)
+    assert wait_until(lambda: _health(smol.url)["running"] == 8, timeout=60), (_health(smol.url), streams)
     with pytest.raises(openai.RateLimitError) as refused:
         c.completions.create(model="smollm2", prompt="hi", max_tokens=2)
     assert refused.value.response.headers["retry-after"] == "1"

@@ -161,3 +161,31 @@ def test_a_queue_of_zero_takes_what_the_rows_take_and_kept_conversations_count_a
     with pytest.raises(QueueFullError):
         s.add(request([4]))
     assert s.stats.requests_submitted == 3
+
+
+def test_a_request_submitted_while_a_kept_conversation_gives_its_row_up_is_not_refused():
+    """`add` runs on other threads while the loop admits: a request arriving mid-reclaim (the
+    conversation gone from the cache, its row not yet free) must still see the room that is there."""
+    s = scheduler(rows=2, max_queue=0)
+    s.rows.free = []  # both rows held by kept conversations
+    first, late = request([1]), request([9])
+
+    class Reclaiming:
+        entries = 2
+
+        def idle(self):
+            return self.entries
+
+        def reclaim(self):
+            self.entries -= 1  # out of the cache; its row is not free yet
+            if self.entries == 1:
+                s.add(late)  # a submit on another thread, right now: one kept conversation is still room
+            s.rows.free.append(0)
+            return True
+
+    s.reclaimer = Reclaiming()
+    s.add(first)
+    assert s.admit() == [first] and s.waiting == 1  # late waits for the other conversation's row
+    with pytest.raises(QueueFullError):  # and that was the last room
+        s.add(request([5]))
+    assert s.admit() == [late]

@@ -182,8 +182,11 @@ class Scheduler:
         refuse a burst that fits the pool (three at once into two rows and a queue of two got a 429
         when no loop iteration ran between the submits). Rows held by idle sessions the reclaimer can
         close (kept conversations) count as free: a new request takes one of them at admission.
+        Called from submitting threads while the loop admits: `admit` takes a request out of the queue
+        before it reclaims or takes a row, so every state in between counts the same room or one
+        more, never less (a request is never refused for a row that is changing hands).
         """
-        need_row = extra + sum(1 for r in self._waiting if r.own_session and not r.cancel_requested)
+        need_row = extra + sum(1 for r in list(self._waiting) if r.own_session and not r.cancel_requested)
         reclaimable = self.reclaimer.idle() if self.reclaimer is not None else 0
         return max(0, need_row - self.rows.free_rows - reclaimable)
 
@@ -204,14 +207,20 @@ class Scheduler:
         admitted = []
         for req in list(self._waiting):
             if req.own_session:
+                # Out of the queue before a kept conversation is reclaimed or a row taken: `add` runs on
+                # other threads, and its bound must never see a request counted both waiting and seated.
+                at = self._waiting.index(req)
+                self._waiting.remove(req)
                 if self.rows.free_rows == 0 and not (self.reclaimer is not None and self.reclaimer.reclaim()):
+                    self._waiting.insert(at, req)
                     continue  # waits for a row; requests on their own session may still go ahead
                 try:
                     req.session = self.rows.open_session()
                 except OnecopyError as e:
                     self.finish(req, "error", e)
                     continue
-            self._waiting.remove(req)
+            else:
+                self._waiting.remove(req)
             self._running.append(req)
             req.status, req.admitted = RequestStatus.PREFILLING, True
             req.start = req.session.position
