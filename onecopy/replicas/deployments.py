@@ -28,7 +28,7 @@ from ..serve.asgi import HTTPRequest, call_asgi, lifespan
 from ..serve.errors import APIError
 from .affinity import ConversationAffinity, chat_messages
 from .board import ReplicaBoard, ReplicaReport
-from .router import AVOID, LOAD, PREFER
+from .router import AVOID, LOAD, PREFER, rank_replicas
 
 log = logging.getLogger("onecopy.replicas")
 
@@ -74,21 +74,28 @@ class EngineReplica:
         """Serve one HTTP request. Yields its head first ({replica, status, headers, body, more}: the
         first body part comes with it, so a whole JSON reply is one message), then further body parts.
         ``routing`` holds the router's hints (see `router`); the replica ignores them."""
-        head = None
+        head, held, streaming = None, bytearray(), False
         async with contextlib.aclosing(call_asgi(self.app, request)) as messages:
             async for m in messages:
                 if m["type"] == "http.response.start":
                     head = {"replica": self.id, "status": m["status"], "headers": m.get("headers", [])}
+                    streaming = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                                    for k, v in head["headers"])
                     continue
                 if m["type"] != "http.response.body":
                     continue
                 more = m.get("more_body", False)
-                if head is not None:
+                if not streaming:  # a whole reply (JSON, an error) goes as one message: the ingress reads
+                    held += m.get("body", b"")  # its status before it answers (429: another replica)
+                    if not more:
+                        yield {**head, "body": bytes(held), "more": False}
+                        return
+                elif head is not None:
                     yield {**head, "body": m.get("body", b""), "more": more}
                     head = None
                 elif m.get("body"):
                     yield m["body"]
-                if not more:
+                if streaming and not more:
                     return
 
     def report(self) -> ReplicaReport:
@@ -157,6 +164,10 @@ class Ingress:
     def record_replica(self, report: ReplicaReport) -> None:
         self.board.report(report)
         self._routed_since_report.pop(report.replica, None)
+
+    def _count_routed(self, replica: str | None, n: int) -> None:
+        if replica is not None:
+            self._routed_since_report[replica] = self._routed_since_report.get(replica, 0) + n
 
     def loads(self) -> dict[str, float]:
         """Each replica's load as routing sees it: rows in use (kept conversations too) and waiting
@@ -245,22 +256,32 @@ class Ingress:
         avoid: list[str] = []
         full = None
         for _ in range(3 + max(len(self.board.replicas()), 1)):
+            # The target is chosen here, where requests in flight are counted the moment they are sent
+            # (reports lag by up to a period); the router honours it while it lives, else goes by load.
+            loads = self.loads()
+            order = rank_replicas(list(loads), prefer, set(avoid), loads)
+            target = order[0] if order else prefer
+            self._count_routed(target, +1)
             parts = self.replicas.options(stream=True).handle.remote(
-                http, **{PREFER: prefer, AVOID: list(avoid), LOAD: self.loads()})
+                http, **{PREFER: target, AVOID: list(avoid), LOAD: loads})
             try:
                 head = await parts.__anext__()
             except Exception as e:  # the replica died (or is shutting down) before it answered
+                self._count_routed(target, -1)
                 log.warning("a replica failed before answering %s (%s); trying another", http.path, e)
                 await asyncio.sleep(0.05)
                 continue
-            if head["status"] == 429 and not head["more"]:
+            if head["replica"] != target:
+                self._count_routed(target, -1)
+                self._count_routed(head["replica"], +1)
+            if head["status"] == 429:
+                self._count_routed(head["replica"], -1)
                 if head["replica"] in avoid:  # the router offered a full one again: all are full
                     full = head
                     break
                 avoid.append(head["replica"])
                 full = head
                 continue
-            self._routed_since_report[head["replica"]] = self._routed_since_report.get(head["replica"], 0) + 1
             return head, parts
         if full is not None:
             return full, None  # type: ignore[return-value]
