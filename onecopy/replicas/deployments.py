@@ -23,7 +23,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..serve.app import ServerConfig, create_app
+from ..serve.app import ServerConfig, create_app, read_body
 from ..serve.asgi import HTTPRequest, call_asgi, lifespan
 from ..serve.errors import APIError
 from .affinity import ConversationAffinity, chat_messages
@@ -212,7 +212,7 @@ class Ingress:
 
     async def _serve(self, request: Request, path: str, endpoint: str) -> Response:
         try:
-            body = await self._read_body(request)
+            body = await read_body(request, self.spec.max_body_bytes)
         except APIError as e:
             return self._error(endpoint, e)
         messages = None
@@ -234,19 +234,6 @@ class Ingress:
             return Response(head["body"], status_code=head["status"], headers=headers)
         sse = headers.get("content-type", "").startswith("text/event-stream")
         return StreamingResponse(self._relay(head, parts, sse, endpoint), status_code=head["status"], headers=headers)
-
-    async def _read_body(self, request: Request) -> bytes:
-        limit = self.spec.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"the request body is {declared} bytes; this server takes at most {limit}",
-                           code="request_too_large")
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
-        return bytes(body)
 
     async def _route(self, http: HTTPRequest, prefer: str | None) -> tuple[dict[str, Any], DeploymentResponseGenerator]:
         """Send ``http`` to a replica; its head and the rest of its parts. A replica that answers 429

@@ -221,7 +221,8 @@ class ServerState:
         return self._transcriber
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body; 413 (as an APIError) past ``limit`` bytes, declared or sent."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"the request body is {declared} bytes; this server takes at most {limit}",
@@ -310,7 +311,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             if state.speech:
                 raise bad_request(f"model '{config.model_name}' is a speech model: use /v1/audio/transcriptions",
                                   param="model")
-            req = parse_generation(parse_json(await _read_body(request, config.max_body_bytes)), kind, engine,
+            req = parse_generation(parse_json(await read_body(request, config.max_body_bytes)), kind, engine,
                                    config.model_name)
             cache = state.cache if kind == "chat" else None  # conversations are chats; completions leave no state
             session, reused = cache.take(req.prompt_ids) if cache is not None else (None, 0)
