@@ -4,8 +4,10 @@ One module per kernel family; the models call the ops through the functions re-e
 
 - `decode`: split-KV decode attention over the KV pool (`decode_attention`), and its variant from a
   decode step's projected q/k/v rows with RoPE and the new K/V's cache write inside the kernel
-  (`decode_attention_rope`);
-- `prefill`: causal flash attention of a prefill chunk over its pool row, in place (`prefill_attention`);
+  (`decode_attention_rope`); both over a paged cache too (`paged_decode_attention`,
+  `paged_decode_attention_rope`: pages of BS positions, a block table row per session);
+- `prefill`: causal flash attention of a prefill chunk over its pool row, in place (`prefill_attention`),
+  or over its pages (`paged_prefill_attention`);
 - `linear`: the small linear of a decode step's few rows, with the RMSNorm before it and SwiGLU or a
   residual add after it folded in (`small_linear`);
 - `tiles`: every tile table and tiling constant of the three;
@@ -18,14 +20,16 @@ plain torch ops instead (`models.attention`, `models.projections`); `available` 
 The ``launch_*`` functions run one kernel with explicit tiles, outside any op (the benchmarks).
 """
 
-from .decode import launch_decode
+from .decode import launch_decode, launch_decode_paged
 from .linear import Norm, launch_linear
-from .ops import available, decode_attention, decode_attention_rope, prefill_attention, small_linear
-from .prefill import launch_prefill
+from .ops import (available, decode_attention, decode_attention_rope, paged_decode_attention,
+                  paged_decode_attention_rope, paged_prefill_attention, prefill_attention, small_linear)
+from .prefill import launch_prefill, launch_prefill_paged
 from .tiles import (BLOCK_N, INVARIANT_ROWS, PREFILL_TILES, SMALL_LINEAR_ROWS, SMEM_BUDGET, SPLIT_MAX, n_splits,
                     prefill_tiles, small_linear_programs, small_linear_tiles)
 
 __all__ = ["BLOCK_N", "INVARIANT_ROWS", "Norm", "PREFILL_TILES", "SMALL_LINEAR_ROWS", "SMEM_BUDGET", "SPLIT_MAX",
-           "available", "decode_attention", "decode_attention_rope", "launch_decode", "launch_linear",
-           "launch_prefill", "n_splits", "prefill_attention", "prefill_tiles", "small_linear",
-           "small_linear_programs", "small_linear_tiles"]
+           "available", "decode_attention", "decode_attention_rope", "launch_decode", "launch_decode_paged",
+           "launch_linear", "launch_prefill", "launch_prefill_paged", "n_splits", "paged_decode_attention",
+           "paged_decode_attention_rope", "paged_prefill_attention", "prefill_attention", "prefill_tiles",
+           "small_linear", "small_linear_programs", "small_linear_tiles"]

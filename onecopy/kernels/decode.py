@@ -7,6 +7,9 @@ kernel merges the splits. On CPU the exported methods use `attention.pooled_atte
 new k and the write of the new k/v into the pool done inside the split kernel (two kernels fewer per
 layer): the program whose split holds the new position takes that key from registers, last, and
 caches it; the others read only positions before it, so no program reads what another writes.
+`paged_decode_attention` and `paged_decode_attention_rope`: the same kernels over a paged cache
+(`launch_decode_paged`: pages of BS positions, a block table row per session), each position's page
+looked up as it is read or written; same splits and reduction order, so the same bits.
 The ops themselves are defined in `ops`; Triton is imported only when a kernel is first launched.
 """
 
@@ -24,12 +27,15 @@ def _kernels():
     import triton
     import triton.language as tl
 
+    # TABLE and stride_t come after the old arguments so that the non-paged kernel compiles to the same code
+    # as before they existed (one unused parameter more).
     @triton.jit
     def split_kernel(Q, K, V, ROWS, LENS, PO, PML, COS, SIN,
                      stride_qb, stride_qh, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
-                     stride_pob, stride_poh, stride_pos, stride_pmb, stride_pmh, stride_pms, stride_cb,
+                     stride_pob, stride_poh, stride_pos, stride_pmb, stride_pmh, stride_pms, stride_cb, TABLE, stride_t,
                      G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, NS: tl.constexpr,
-                     SCALE: tl.constexpr, NEW: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr):
+                     SCALE: tl.constexpr, NEW: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+                     PAGED: tl.constexpr, BS: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -42,8 +48,13 @@ def _kernels():
         offs_d = tl.arange(0, D)
         gmask = offs_g < G
         heads = kvh * G + offs_g
-        k_base = K + row * stride_kp + kvh * stride_kh
-        v_base = V + row * stride_vp + kvh * stride_vh
+        if PAGED:  # K/V are [NB, Hkv, BS, D] pages; position p of the row is in page TABLE[row, p // BS]
+            k_base = K + kvh * stride_kh
+            v_base = V + kvh * stride_vh
+            tab = TABLE + row * stride_t
+        else:
+            k_base = K + row * stride_kp + kvh * stride_kh
+            v_base = V + row * stride_vp + kvh * stride_vh
         if NEW:  # Q is the step's projected q/k/v row: RoPE on q and the new k here, the new k/v not yet cached
             cur = length - 1
             rot = (offs_d + D // 2) % D  # rotate_half: (-x2, x1)
@@ -68,14 +79,23 @@ def _kernels():
         for n in range(start, end, BLOCK):
             offs_n = n + tl.arange(0, BLOCK)
             nmask = offs_n < end
-            k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=nmask[:, None], other=0.0)
+            if PAGED:  # a page per position (a block may span pages); masked positions look up page 0, unread
+                blk = tl.load(tab + offs_n // BS, mask=nmask, other=0)
+                k = tl.load(k_base + (blk * stride_kp + (offs_n % BS) * stride_ks)[:, None] + offs_d[None, :],
+                            mask=nmask[:, None], other=0.0)
+            else:
+                k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=nmask[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * SCALE
             s = tl.where(nmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=nmask[:, None], other=0.0)
+            if PAGED:
+                v = tl.load(v_base + (blk * stride_vp + (offs_n % BS) * stride_vs)[:, None] + offs_d[None, :],
+                            mask=nmask[:, None], other=0.0)
+            else:
+                v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=nmask[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         if NEW:
@@ -87,8 +107,13 @@ def _kernels():
                 l_i = l_i * alpha + p
                 acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
                 m_i = m_new
-                tl.store(k_base + cur * stride_ks + offs_d, k_new)
-                tl.store(v_base + cur * stride_vs + offs_d, v_new)
+                if PAGED:
+                    blk_cur = tl.load(tab + cur // BS)
+                    tl.store(k_base + blk_cur * stride_kp + (cur % BS) * stride_ks + offs_d, k_new)
+                    tl.store(v_base + blk_cur * stride_vp + (cur % BS) * stride_vs + offs_d, v_new)
+                else:
+                    tl.store(k_base + cur * stride_ks + offs_d, k_new)
+                    tl.store(v_base + cur * stride_vs + offs_d, v_new)
         tl.store(PO + b * stride_pob + heads[:, None] * stride_poh + sp * stride_pos + offs_d[None, :], acc,
                  mask=gmask[:, None])
         pml = PML + b * stride_pmb + heads * stride_pmh + sp * stride_pms
@@ -119,10 +144,29 @@ def launch_decode(q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | Non
                   v_pool: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """The split and merge launches of `decode_attention` (``rope`` None: q [B, Hq, D]) or of
     `decode_attention_rope` (``rope`` = (cos, sin): q is the qkv rows). Traceable inside the ops."""
+    return _launch(q, rope, k_pool, v_pool, None, rows, lengths)
+
+
+def launch_decode_paged(q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, k_pool: torch.Tensor,
+                        v_pool: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
+                        lengths: torch.Tensor) -> torch.Tensor:
+    """`launch_decode` over a paged cache: pools [NB, Hkv, BS, D] and a block table [P, NBMAX] (int64,
+    unit column stride) whose row rows[b] names the pages of session b in order. The splits are those of a
+    pool of NBMAX * BS positions, so that the result is bit for bit the non-paged one's for the same
+    logical rows. Traceable inside the ops."""
+    return _launch(q, rope, k_pool, v_pool, table, rows, lengths)
+
+
+def _launch(q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, k_pool: torch.Tensor,
+            v_pool: torch.Tensor, table: torch.Tensor | None, rows: torch.Tensor,
+            lengths: torch.Tensor) -> torch.Tensor:
     from torch.library import wrap_triton
 
     split_kernel, merge_kernel = _kernels()
     hkv, s, d = k_pool.shape[1], k_pool.shape[2], k_pool.shape[3]
+    bs = s
+    if table is not None:
+        s = table.shape[1] * bs  # the logical row: NBMAX pages of BS positions
     b = q.shape[0]
     hq = q.shape[1] // d - 2 * hkv if rope is not None else q.shape[1]
     g = hq // hkv
@@ -131,13 +175,16 @@ def launch_decode(q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | Non
     pml = torch.empty((b, hq, ns, 2), dtype=torch.float32, device=q.device)
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     cos, sin = rope if rope is not None else (q, q)  # placeholders the kernel never reads
+    tab = table if table is not None else rows  # a placeholder too
     wrap_triton(split_kernel)[(b, hkv, ns)](
         q, k_pool, v_pool, rows, lengths, po, pml, cos, sin,
         q.stride(0), d if rope is not None else q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         po.stride(0), po.stride(1), po.stride(2), pml.stride(0), pml.stride(1), pml.stride(2), cos.stride(0),
+        tab, tab.stride(0),
         G=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, BLOCK=BLOCK_N, NS=ns, SCALE=d ** -0.5,
-        NEW=rope is not None, HQ=hq, HKV=hkv, num_warps=4, num_stages=2)
+        NEW=rope is not None, HQ=hq, HKV=hkv, PAGED=table is not None, BS=bs if table is not None else 1,
+        num_warps=4, num_stages=2)
     wrap_triton(merge_kernel)[(b, hq)](
         po, pml, out, po.stride(0), po.stride(1), po.stride(2), pml.stride(0), pml.stride(1), pml.stride(2),
         out.stride(0), out.stride(1), NS=ns, NSP=max(2, 1 << (ns - 1).bit_length()), D=d, num_warps=4)

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from .decode import launch_decode
+from .decode import launch_decode, launch_decode_paged
 from .linear import Norm, launch_linear
-from .prefill import launch_prefill
+from .prefill import launch_prefill, launch_prefill_paged
 from .tiles import SMALL_LINEAR_ROWS, prefill_tiles, small_linear_tiles
 
 
@@ -60,6 +60,37 @@ def _define_ops() -> None:
             q = q.contiguous()
         return launch_prefill(q, k_pool, v_pool, rows, positions, prefill_tiles(q.shape[-1]))
 
+    # Paged KV cache: pools [NB, Hkv, BS, D] of NB pages of BS positions (BS a power of two >= 16), and a
+    # block table [P, NBMAX] (int64): position p of the session in table row r is in page table[r, p // BS].
+    @triton_op("onecopy::paged_decode_attention", mutates_args=())
+    def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                               rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """`decode_attention` over pages: q [B, Hq, D] against table row rows[b], positions < lengths[b];
+        -> [B, Hq, D], bit for bit the non-paged op's over the same logical rows of NBMAX * BS positions."""
+        table = table if table.stride(-1) == 1 else table.contiguous()
+        return launch_decode_paged(q, None, k_pool, v_pool, table, rows, lengths)
+
+    @triton_op("onecopy::paged_decode_attention_rope", mutates_args=("k_pool", "v_pool"))
+    def paged_decode_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
+                                    v_pool: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
+                                    lengths: torch.Tensor) -> torch.Tensor:
+        """`decode_attention_rope` over pages: the new k and v cached at position lengths[b] - 1 of table row
+        rows[b] (in page table[rows[b], (lengths[b] - 1) // BS]); -> [B, Hq, D]."""
+        qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        table = table if table.stride(-1) == 1 else table.contiguous()
+        return launch_decode_paged(qkv, (cos, sin), k_pool, v_pool, table, rows, lengths)
+
+    @triton_op("onecopy::paged_prefill_attention", mutates_args=())
+    def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                                rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`prefill_attention` over pages: q [T, Hq, D] at increasing ``positions`` [T] against table row
+        rows[0], causal; -> [T, Hq, D]."""
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        table = table if table.stride(-1) == 1 else table.contiguous()
+        return launch_prefill_paged(q, k_pool, v_pool, table, rows, positions, prefill_tiles(q.shape[-1]))
+
     @triton_op("onecopy::small_linear", mutates_args=())
     def small_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, glu: bool,
                      norm_weight: torch.Tensor | None, norm_ss: torch.Tensor | None,
@@ -94,6 +125,27 @@ def decode_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     """See the op: a decode step's attention from its projected rows ``qkv`` [B, (Hq + 2 Hkv) D], with
     RoPE (cos, sin [B, D]) and the write of the new k/v at ``positions`` [B] folded in (CUDA only)."""
     return torch.ops.onecopy.decode_attention_rope(qkv, cos, sin, k_pool, v_pool, rows, positions + 1)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                            rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """See the op: `prefill_attention` over a paged cache, the session's pages named by table row rows[0]
+    (CUDA only)."""
+    return torch.ops.onecopy.paged_prefill_attention(q, k_pool, v_pool, table, rows, positions)
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                           rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """See the op: `decode_attention` over a paged cache, row b's pages named by table row rows[b] (CUDA only)."""
+    return torch.ops.onecopy.paged_decode_attention(q, k_pool, v_pool, table, rows, lengths)
+
+
+def paged_decode_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
+                                v_pool: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
+                                positions: torch.Tensor) -> torch.Tensor:
+    """See the op: `decode_attention_rope` over a paged cache, the new k/v written at ``positions`` [B] into
+    the pages that table rows rows[b] name (CUDA only)."""
+    return torch.ops.onecopy.paged_decode_attention_rope(qkv, cos, sin, k_pool, v_pool, table, rows, positions + 1)
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
