@@ -24,7 +24,8 @@ from .errors import (BundleNotFoundError, CoverageError, DeviceMismatchError, Ma
                      UnsupportedFormatVersionError, WeightsCorruptError, WeightSpecError)
 
 FORMAT = "onecopy-bundle"
-FORMAT_VERSION = 2  # 2: session state is a pool passed to the methods with the rows they work on
+FORMAT_VERSION = 3  # 3: KV state may be paged (blocks + a block table); 2: state is a pool with a row per session
+READABLE_VERSIONS = (2, 3)  # a version-2 bundle is a version 3 one without paged state
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 TOKENIZER = "tokenizer.json"
@@ -73,6 +74,7 @@ class TensorSpec:
     sha256: str | None = None  # weights only
     init: str | None = None  # state only: "zeros"
     recurrent: bool | None = None  # state only: not addressed by position, so a step cannot be undone
+    paged: bool | None = None  # state only: laid out in blocks of kv_block_size positions (shape: one block)
 
     @property
     def nbytes(self) -> int:
@@ -119,6 +121,7 @@ class MethodSpec:
     role: str = ""
     mutated_constants: list[str] = field(default_factory=list)  # constants written in place: sessions would share them
     batch_invariant: bool = False  # decode: each row's results independent of the batch it runs in
+    paged: bool = False  # takes the KV block table [P, NBMAX] (int64) right after rows
 
 
 @dataclass
@@ -136,6 +139,17 @@ class Manifest:
     build: dict[str, Any] = field(default_factory=dict)
     weights_file: str = WEIGHTS
     format_version: int = FORMAT_VERSION
+    kv_block_size: int | None = None  # positions per KV block when state is paged
+
+    @property
+    def paged_state(self) -> list[str]:
+        """State FQNs laid out in blocks (paged KV); the rest has a row per session."""
+        return [k for k, v in self.state.items() if v.paged]
+
+    @property
+    def table_width(self) -> int:
+        """Blocks in one session's block table (0 without paged state): max_seq_len + 1 positions."""
+        return -(-(self.max_seq_len + 1) // self.kv_block_size) if self.kv_block_size else 0
 
     def fingerprint(self) -> str:
         """Identity of the model a session state belongs to (config, weight hashes, state layout)."""
@@ -151,7 +165,7 @@ class Manifest:
              "weights": {k: vars(v) for k, v in self.weights.items()},
              "state": {k: vars(v) for k, v in self.state.items()},
              "methods": {k: {**vars(m), "inputs": [vars(i) for i in m.inputs]} for k, m in self.methods.items()},
-             "tokenizer": self.tokenizer, "generation": self.generation}
+             "tokenizer": self.tokenizer, "generation": self.generation, "kv_block_size": self.kv_block_size}
         return json.dumps(d, indent=1)
 
     @classmethod
@@ -163,9 +177,10 @@ class Manifest:
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise ManifestError(f"{where} is not an onecopy bundle manifest; export the model with `onecopy export`")
         version = d.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise UnsupportedFormatVersionError(
-                f"bundle format version {version!r} is not supported (this onecopy reads version {FORMAT_VERSION}); "
+                f"bundle format version {version!r} is not supported (this onecopy reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}); "
                 "export the model again with this onecopy, or use the onecopy release that wrote it")
         try:
             methods = {k: MethodSpec(**{**m, "inputs": [InputSpec(**i) for i in m["inputs"]]})
@@ -173,12 +188,20 @@ class Manifest:
             bad_roles = {k: m.role for k, m in methods.items() if m.role not in ROLES}
             if bad_roles:
                 raise ValueError(f"unknown method roles {bad_roles}; this onecopy knows {', '.join(ROLES)}")
+            block = d.get("kv_block_size")
+            state = {k: TensorSpec(**v) for k, v in d["state"].items()}
+            paged = [k for k, v in state.items() if v.paged]
+            if paged and not (isinstance(block, int) and block >= 1):
+                raise ValueError(f"state {paged[:2]} is paged but kv_block_size is {block!r}")
+            if block is not None and not paged:
+                raise ValueError(f"kv_block_size={block!r} but no state is paged")
+            if any(m.paged != bool(paged) for m in methods.values()):
+                raise ValueError("methods disagree with the state on whether the KV cache is paged")
             return cls(family=d["family"], config=d["config"], max_seq_len=int(d["max_seq_len"]), dtype=d["dtype"],
                        device_kind=d["device_kind"], methods=methods,
                        weights={k: TensorSpec(**v) for k, v in d["weights"].items()},
-                       state={k: TensorSpec(**v) for k, v in d["state"].items()},
-                       tokenizer=d["tokenizer"], generation=d["generation"], build=d.get("build", {}),
-                       weights_file=d.get("weights_file", WEIGHTS), format_version=version)
+                       state=state, tokenizer=d["tokenizer"], generation=d["generation"], build=d.get("build", {}),
+                       weights_file=d.get("weights_file", WEIGHTS), format_version=version, kv_block_size=block)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ManifestError(f"{where} lacks or mangles a required field ({e!r}); export the bundle again") from e
 

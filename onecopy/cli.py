@@ -64,7 +64,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     if a.ray_address is not None:
         raise OnecopyError("--ray-address needs --replicas N (without it onecopy serves in this process)")
     engine = Engine.load(bundle, a.device, max_sessions=a.max_sessions, max_queue=a.max_queue,
-                         deterministic=a.deterministic)
+                         deterministic=a.deterministic, prefix_cache=not a.no_prefix_cache)
     print(f"onecopy: serving {name} on http://{a.host}:{a.port}/v1 ({engine.max_sessions} sessions at once)",
           file=sys.stderr)
     serve(engine, config, host=a.host, port=a.port, grace_s=a.grace)
@@ -79,7 +79,8 @@ def _serve_replicas(a: argparse.Namespace, bundle: Path, config) -> int:
         raise OnecopyError(f"--replicas runs on Ray Serve, which is not installed ({e}); "
                            "install it with: pip install 'onecopy[ray]'") from None
     spec = ReplicaSpec(bundle=str(bundle.resolve()), device=a.device, max_sessions=a.max_sessions,
-                       max_queue=a.max_queue, deterministic=a.deterministic, server=config)
+                       max_queue=a.max_queue, deterministic=a.deterministic, prefix_cache=not a.no_prefix_cache,
+                       server=config)
     where = f"the Ray cluster at {a.ray_address}" if a.ray_address else "a local Ray cluster"
     print(f"onecopy: serving {config.model_name} on http://{a.host}:{a.port}/v1 from {a.replicas} replica(s) on {where} "
           f"(one engine per {'GPU' if a.device == 'cuda' else 'CPU'})", file=sys.stderr)
@@ -142,8 +143,12 @@ def _cmd_bench_decode(a: argparse.Namespace) -> int:
 def _cmd_export(a: argparse.Namespace) -> int:
     from .export.exporter import export
 
+    try:
+        kv_block = None if a.kv_block.lower() == "none" else int(a.kv_block)
+    except ValueError:
+        raise OnecopyError(f"--kv-block takes a power of two or 'none', got {a.kv_block!r}") from None
     out = export(a.source, a.out, max_seq_len=a.max_seq_len, dtype=a.dtype, device=a.device,
-                 methods=tuple(a.methods.split(",")) if a.methods else None, overwrite=a.overwrite)
+                 methods=tuple(a.methods.split(",")) if a.methods else None, overwrite=a.overwrite, kv_block=kv_block)
     print(f"wrote {out}")
     return 0
 
@@ -219,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     e.add_argument("--methods", help="comma-separated (default: all of the family's: prefill,decode or encoder,decoder)")
     e.add_argument("--overwrite", action="store_true")
+    e.add_argument("--kv-block", default="16",
+                   help="positions per KV block (paged KV, what the prefix cache shares; default 16), or 'none': "
+                        "a row of max_seq_len positions per session")
     e.set_defaults(fn=_cmd_export)
 
     t = sub.add_parser("transcribe", help="transcribe WAV files as concurrent sessions (default: the embedded "
@@ -243,7 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch-invariant decoding: a session's tokens never depend on its neighbours")
     v.add_argument("--grace", type=float, default=10.0, help="seconds streams get to finish after SIGTERM")
     v.add_argument("--max-body-bytes", type=int, default=4 << 20)
-    v.add_argument("--no-conversation-cache", action="store_true", help="prefill every chat's history again")
+    v.add_argument("--no-prefix-cache", action="store_true",
+                   help="no KV blocks shared across requests: every prompt is prefilled whole, except a chat's "
+                        "history held by a kept session (the conversation cache, unless --no-conversation-cache)")
+    v.add_argument("--no-conversation-cache", action="store_true",
+                   help="without a prefix cache (--no-prefix-cache, or a bundle without paged KV): do not keep "
+                        "finished chats' sessions; prefill every chat's history again")
     v.add_argument("--conversation-ttl", type=float, default=600.0, help="seconds an idle conversation is kept")
     v.add_argument("--max-conversations", type=int, help="idle conversations kept (default: as rows allow)")
     v.add_argument("--replicas", type=int, metavar="N",

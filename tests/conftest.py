@@ -27,6 +27,13 @@ def tiny_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_source: ModelSour
 
 
 @pytest.fixture(scope="session")
+def tiny_rows_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_source: ModelSource) -> Path:
+    """The KV cache as one row of max_seq_len positions per session (no paged KV, no prefix cache)."""
+    out = tmp_path_factory.mktemp("bundles") / "tiny-rows"
+    return onecopy.export(tiny_source, out, max_seq_len=TINY_MAX_SEQ_LEN, kv_block=None, progress=False)
+
+
+@pytest.fixture(scope="session")
 def fallback_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_source: ModelSource) -> Path:
     """prefill weightless, decode compiled the default way (carries its own weights)."""
     out = tmp_path_factory.mktemp("bundles") / "fallback"

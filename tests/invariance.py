@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from onecopy.bundle import parse_dtype
+from onecopy.runtime.blocks import KVBlocks
 from onecopy.runtime.pool import StatePool
 from onecopy.runtime.step import DecodeStep, default_buckets, runs_one_row_per_call
 from onecopy.runtime.workspace import Workspace
@@ -21,8 +22,10 @@ from onecopy.runtime.workspace import Workspace
 def session_state(engine, seed: int) -> dict[str, torch.Tensor]:
     """A random state row for every state tensor of the bundle (small values: KV, conv, recurrent)."""
     g = torch.Generator().manual_seed(seed)
-    return {f: (0.1 * torch.randn(s.shape, generator=g)).to(parse_dtype(s.dtype)).to(engine.device)
-            for f, s in engine.manifest.state.items()}
+    m = engine.manifest
+    shape = {f: engine.runner.blocks.logical_shape(s) for f, s in m.state.items() if s.paged}  # paged KV: its logical row
+    return {f: (0.1 * torch.randn(shape.get(f, s.shape), generator=g)).to(parse_dtype(s.dtype)).to(engine.device)
+            for f, s in m.state.items()}
 
 
 def decode_placed(engine, state: dict[str, torch.Tensor], token: int, position: int, *, pool_rows: int, row: int,
@@ -32,11 +35,25 @@ def decode_placed(engine, state: dict[str, torch.Tensor], token: int, position: 
     assert row in batch and len(set(batch)) == len(batch) and max(batch) < pool_rows
     method = engine.method(engine.role_method("decode"))
     g = torch.Generator().manual_seed(1000 + seed)
-    pool = StatePool(engine.manifest.state, pool_rows, engine.device)
+    m = engine.manifest
+    paged = set(m.paged_state)
+    pool = StatePool({f: s for f, s in m.state.items() if f not in paged}, pool_rows, engine.device)
     for f, p in pool.tensors.items():
         p.copy_((0.1 * torch.randn(p.shape, generator=g)).to(p.dtype))
         p[row] = state[f]
-    step = DecodeStep(method, pool, Workspace(), buckets=default_buckets(pool_rows),
+    pools = [pool.tensors[f] for f in method.spec.state if f not in paged]
+    blocks = None
+    if paged:  # every row's blocks at shuffled places, the session's among them
+        width, bs = m.table_width, m.kv_block_size
+        blocks = KVBlocks({f: m.state[f] for f in paged}, pool_rows * width, pool_rows, width, bs, engine.device, False)
+        order = torch.randperm(pool_rows * width, generator=g)
+        blocks.table[:pool_rows] = order.view(pool_rows, width).to(engine.device)
+        mine = blocks.table[row]
+        for f, t in blocks.tensors.items():
+            t.copy_((0.1 * torch.randn(t.shape, generator=g)).to(t.dtype))
+            t[mine] = state[f].reshape(t.shape[1], width, bs, *t.shape[3:]).transpose(0, 1)
+        pools = [blocks.table, *[blocks.tensors[f] for f in method.spec.state]]
+    step = DecodeStep(method, pool, pools, Workspace(), buckets=default_buckets(pool_rows),
                       one_row_per_call=runs_one_row_per_call(method.spec, engine.deterministic))
     n = len(batch)
     tokens = torch.randint(0, engine.vocab_size, (n,), generator=g)
@@ -44,7 +61,12 @@ def decode_placed(engine, state: dict[str, torch.Tensor], token: int, position: 
     i = batch.index(row)
     tokens[i], positions[i] = token, position
     logits = step(batch, positions.tolist(), tokens.to(engine.device))
-    return logits[i].clone(), {f: p[row].clone() for f, p in pool.tensors.items()}
+    after = {f: p[row].clone() for f, p in pool.tensors.items()}
+    if blocks is not None:
+        mine = blocks.table[row]
+        for f, t in blocks.tensors.items():
+            after[f] = t[mine].transpose(0, 1).reshape(state[f].shape).clone()
+    return logits[i].clone(), after
 
 
 # (pool rows, the session's row, the batch's rows in order): alone at row 0 of 3 first, then at row 5

@@ -199,7 +199,8 @@ def test_the_server_never_closes_sessions_on_the_event_loop(smollm2_bundle, monk
 
     monkeypatch.setattr(onecopy.Session, "close", close)
     chat = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    with onecopy.Engine.load(smollm2_bundle, max_sessions=3) as e, \
+    # Without the prefix cache the server keeps finished chats' sessions (the conversation cache).
+    with onecopy.Engine.load(smollm2_bundle, max_sessions=3, prefix_cache=False) as e, \
             BackgroundServer(e, ServerConfig(model_name="smollm2", max_conversations=1)) as srv:
         cache = srv.app.state.onecopy.cache
         stale = e.open_session()

@@ -159,7 +159,8 @@ def test_conversations_stay_with_their_replica_full_rows_give_429_and_a_dead_rep
         raw = c.chat.completions.with_raw_response.create(model="smollm2", messages=history, **GREEDY)
         usage = raw.parse().usage
         assert raw.headers[REPLICA_HEADER] == rid
-        assert first_prompt <= usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
+        # the previous turn's blocks, found in this replica's prefix cache (whole blocks of 16)
+        assert first_prompt - 16 < usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
         where[rid] = history
 
     # Every row busy (4 per replica, no queue): the next request gets 429 with Retry-After, not a wait.
@@ -197,10 +198,11 @@ def test_conversations_stay_with_their_replica_full_rows_give_429_and_a_dead_rep
         _kill(victim)
         rest = [line for line in lines if line.startswith("data:")]
     assert rest[-1] == "data: [DONE]" and '"code": "replica_unavailable"' in rest[-2]
-    # Its conversation goes on elsewhere: the client sends the whole history, the other replica prefills it.
+    # Its conversation goes on elsewhere: the client sends the whole history, the other replica prefills it
+    # (all but the chat template's opening block, which every conversation there shares).
     history = where[victim]
     raw = c.chat.completions.with_raw_response.create(model="smollm2", messages=history, **GREEDY)
-    assert raw.headers[REPLICA_HEADER] != victim and raw.parse().usage.prompt_tokens_details.cached_tokens == 0
+    assert raw.headers[REPLICA_HEADER] != victim and raw.parse().usage.prompt_tokens_details.cached_tokens <= 32
 
 
 @pytest.mark.slow

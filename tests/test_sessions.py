@@ -86,7 +86,14 @@ def test_methods_bind_weights_once_and_sessions_never_rebind(tiny_bundle, monkey
         assert sorted(binds) == ["decode", "prefill"]
 
 
-def test_sessions_own_their_pool_row_and_it_is_counted_exactly(tiny_engine):
+@pytest.fixture
+def rows_engine(tiny_rows_bundle):
+    with onecopy.Engine.load(tiny_rows_bundle) as engine:
+        yield engine
+
+
+def test_sessions_own_their_pool_row_and_it_is_counted_exactly(rows_engine):
+    tiny_engine = rows_engine  # the row layout: a session's state is views of its row
     expected = sum(s.nbytes for s in tiny_engine.manifest.state.values())
     pool = tiny_engine.runner.pool
     a = tiny_engine.open_session()
@@ -108,12 +115,12 @@ def test_sessions_own_their_pool_row_and_it_is_counted_exactly(tiny_engine):
 
 def test_max_sessions_refusal_names_the_numbers(tiny_bundle):
     with onecopy.Engine.load(tiny_bundle, max_sessions=2) as e:
-        assert e.capacity() == 2 and e.memory_report().pool_sizing == "max_sessions=2"
+        assert e.capacity() == 2 and e.memory_report().pool_sizing.startswith("max_sessions=2; ")
         e.open_session()
         s = e.open_session()
         assert e.capacity() == 0
         with pytest.raises(onecopy.SessionCapacityError,
-                           match=rf"all 2 rows of the state pool are in use \(max_sessions=2; {e.session_bytes} bytes each\)"
+                           match=rf"all 2 rows of the state pool are in use \(max_sessions=2; .*; {e.session_bytes} bytes each\)"
                                  r".*Close a session, or load the engine with a larger max_sessions"):
             e.open_session()
         s.close()
@@ -123,7 +130,8 @@ def test_max_sessions_refusal_names_the_numbers(tiny_bundle):
 
 def test_memory_budget_sizes_the_pool(tiny_bundle):
     with onecopy.Engine.load(tiny_bundle, max_sessions=1) as e:
-        per = e.session_bytes + 3 * e.vocab_size  # a row of state and of the sampler's tables
+        # a session's state at max_seq_len, its rows of the sampler's tables and of the block table
+        per = e.session_bytes + 3 * e.vocab_size + 8 * e.manifest.table_width
     with pytest.raises(onecopy.SessionCapacityError, match=rf"no session fits: one needs {2 * per} bytes .*memory_budget=1 bytes"):  # noqa: E501
         onecopy.Engine.load(tiny_bundle, memory_budget=1)
     with onecopy.Engine.load(tiny_bundle, memory_budget=int(3.5 * per)) as e:

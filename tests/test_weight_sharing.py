@@ -69,7 +69,7 @@ def test_close_frees_everything(tiny_bundle):
     engine = onecopy.Engine.load(tiny_bundle)
     s = engine.open_session()
     s.prefill([1, 2])
-    held = engine.weights.tensors() + list(s.state.values())
+    held = engine.weights.tensors() + list(engine.runner.blocks.tensors.values()) + [engine.runner.blocks.table]
     assert all(t.untyped_storage().nbytes() > 0 for t in held)
     engine.close()
     # AOTI runners keep references to user-managed constants; the memory itself must still go.

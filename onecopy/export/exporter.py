@@ -21,6 +21,9 @@ from .toolchain import pick_cxx
 
 
 
+DEFAULT_KV_BLOCK = 16  # positions per KV block: vLLM's default; the prefix cache shares whole blocks
+
+
 def default_dtype(device: str) -> torch.dtype:
     """fp32 on CPU (bf16 matmuls are slow there), bf16 on CUDA."""
     return torch.float32 if device == "cpu" else torch.bfloat16
@@ -51,7 +54,8 @@ class _Progress:
 
 def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_len: int | None = None,
            dtype: torch.dtype | str | None = None, device: str = "cpu", methods: Sequence[str] | None = None,
-           embed_weights: Sequence[str] = (), overwrite: bool = False, progress: bool = True) -> Path:
+           embed_weights: Sequence[str] = (), overwrite: bool = False, progress: bool = True,
+           kv_block: int | None = DEFAULT_KV_BLOCK) -> Path:
     """Export ``source`` into a bundle at ``out_dir`` and return its path.
 
     ``max_seq_len`` defaults to the family's natural bound (Llama: min(2048, the model's context);
@@ -61,6 +65,8 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
     ``embed_weights`` are compiled the default way, carrying their own weights (the fallback path,
     kept for compatibility tests). The bundle is written to a temporary directory and renamed into
     place only when complete, so a failed export leaves nothing behind.
+    ``kv_block``: positions per KV block (paged KV, what the prefix cache shares; Llama family); None
+    keeps one row of max_seq_len positions per session. Families without paged KV ignore it.
     """
     out = Path(out_dir)
     if out.exists() and not overwrite:
@@ -72,6 +78,8 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     dtype = dtype or default_dtype(device)
+    if kv_block is not None and not (isinstance(kv_block, int) and 1 <= kv_block <= 4096 and kv_block & (kv_block - 1) == 0):
+        raise ExportError(f"kv_block={kv_block!r} must be a power of two in 1..4096 (--kv-block), or None for rows")
     bar = _Progress(0, False)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -86,6 +94,8 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
             raise ExportError(f"max_seq_len={max_seq_len} is out of range for {src.name}; "
                               f"use 1..{bound} (--max-seq-len)")
         model = src.build(max_seq_len, dtype, device)
+        if hasattr(model, "paged_state"):  # the families whose KV can be paged
+            model.kv_block = kv_block
         available = model.export_methods(max_seq_len, device)
         methods = list(available) if methods is None else list(methods)
         unknown = sorted(set(methods) - set(available)) + sorted(set(embed_weights) - set(methods))
@@ -174,7 +184,7 @@ def _compile_method(ep: torch.export.ExportedProgram, method: MethodDef, name: s
     return MethodSpec(name=name, package=f"methods/{name}.pt2", package_sha256=sha256(pkg.read_bytes()),
                       weights="embedded" if embed else "external", inputs=method.inputs, constants=constants,
                       state=list(method.state), writes=sorted(writes), role=method.role,
-                      batch_invariant=method.batch_invariant)
+                      batch_invariant=method.batch_invariant, paged=method.paged)
 
 
 def _write_bundle(tmp: Path, src: ModelSource, model: torch.nn.Module, specs: dict[str, MethodSpec], max_seq_len: int,
@@ -185,7 +195,9 @@ def _write_bundle(tmp: Path, src: ModelSource, model: torch.nn.Module, specs: di
     weights = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     save_file(weights, str(tmp / WEIGHTS))
     recurrent = set(getattr(model, "recurrent_state", list)())
-    state = {k: TensorSpec(shape=list(shape), dtype=dtype_name(dt), init="zeros", recurrent=k in recurrent)
+    paged = set(getattr(model, "paged_state", list)())
+    state = {k: TensorSpec(shape=list(shape), dtype=dtype_name(dt), init="zeros", recurrent=k in recurrent,
+                           paged=True if k in paged else None)
              for k, (shape, dt) in model.state_specs().items()}
     (tmp / TOKENIZER).write_text(src.tokenizer_json)
     manifest = Manifest(
@@ -198,5 +210,5 @@ def _write_bundle(tmp: Path, src: ModelSource, model: torch.nn.Module, specs: di
         generation={"eos_token_ids": src.eos_token_ids, "chat_template": src.chat_template, **src.generation},
         build={"source": src.name, "torch": torch.__version__, "cxx": cxx,
                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
-        format_version=FORMAT_VERSION)
+        format_version=FORMAT_VERSION, kv_block_size=getattr(model, "kv_block", None) if paged else None)
     (tmp / MANIFEST).write_text(manifest.to_json())

@@ -9,6 +9,11 @@ K/V only into those rows and read them without materialising a per-row copy of t
   materialised (checked in tests on the generated code);
 - `prefill_attention` (a prefill chunk of one session): on CUDA a Triton flash-attention kernel
   reads the row in place, causal by position; elsewhere `read_row` copies the filled prefix for SDPA.
+
+Paged KV (``Step.table`` given): the pools are [NB, H, BS, D], blocks of BS positions, and a session's
+position p lives in block ``table[row, p // BS]`` at offset ``p % BS``. Sessions that share a prompt
+point their tables at the same blocks (`runtime.blocks`); the helpers below then address through the
+table (`write_paged`, `gather_paged`) and the CUDA kernels read it in place.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class Step:
     input_pos: torch.Tensor  # decode: [B]; prefill: [T]
     decode: bool
     context: torch.Tensor | None = None  # prefill, when given: arange(last position + 1)
+    table: torch.Tensor | None = None  # paged KV: the block table [P, NBMAX] (rows index it)
 
 
 def attend_pooled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, k_pool: torch.Tensor,
@@ -39,6 +45,8 @@ def attend_pooled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step,
     Decode (T = 1, N sessions): each row's filled prefix, through its new position. Prefill (N = 1):
     the chunk causally against its row (only the filled prefix when ``step.context`` is given).
     """
+    if step.table is not None:
+        return attend_paged(q, k, v, step, k_pool, v_pool)
     if step.decode:
         write_rows(k_pool, step.rows, step.input_pos, k[:, 0])
         write_rows(v_pool, step.rows, step.input_pos, v[:, 0])
@@ -125,3 +133,65 @@ def chunk_attention(q: torch.Tensor, k_row: torch.Tensor, v_row: torch.Tensor, p
     mask = positions[:, None] >= keys[None, :]
     return F.scaled_dot_product_attention(q, k_row[None], v_row[None], attn_mask=mask,
                                           enable_gqa=q.shape[1] != k_row.shape[0])
+
+
+# -- paged KV ----------------------------------------------------------------------------------------
+def attend_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, k_pool: torch.Tensor,
+                 v_pool: torch.Tensor) -> torch.Tensor:
+    """`attend_pooled` over block pools [NB, Hkv, BS, D] addressed through ``step.table``."""
+    table = step.table
+    if step.decode:
+        write_paged(k_pool, table, step.rows, step.input_pos, k[:, 0])
+        write_paged(v_pool, table, step.rows, step.input_pos, v[:, 0])
+        lengths = step.input_pos + 1
+        if q.is_cuda and kernels.available():
+            return kernels.paged_decode_attention(q[:, 0], k_pool, v_pool, table, step.rows, lengths)[:, None]
+        return paged_attention_torch(q[:, 0], k_pool, v_pool, table, step.rows, lengths)[:, None]
+    rows = step.rows.expand(step.input_pos.shape[0])
+    write_paged(k_pool, table, rows, step.input_pos, k[0])
+    write_paged(v_pool, table, rows, step.input_pos, v[0])
+    if q.is_cuda and kernels.available():
+        return kernels.paged_prefill_attention(q[0], k_pool, v_pool, table, step.rows, step.input_pos)[None]
+    keys = step.context if step.context is not None else torch.arange(table.shape[1] * k_pool.shape[2], device=q.device)
+    k_row = gather_paged(k_pool, table, step.rows, keys)[0]
+    v_row = gather_paged(v_pool, table, step.rows, keys)[0]
+    y = chunk_attention(q[0].transpose(0, 1)[None], k_row, v_row, step.input_pos, step.context)
+    return y[0].transpose(0, 1)[None]
+
+
+def write_paged(pool: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                values: torch.Tensor) -> None:
+    """pool[table[rows[i], p // BS], :, p % BS] = values[i] with p = positions[i] (values: [N, H, D])."""
+    bs = pool.shape[2]
+    pool[table[rows, positions // bs], :, positions % bs] = values
+
+
+def gather_paged(pool: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Positions ``positions`` [S] of each of ``rows`` [B] through the table: [B, H, S, D] (a gather that
+    Inductor fuses into the reductions reading it)."""
+    bs = pool.shape[2]
+    blocks = table[rows][:, positions // bs]  # [B, S]
+    return pool[blocks, :, positions % bs].permute(0, 2, 1, 3)  # [B, S, H, D] -> [B, H, S, D]
+
+
+def paged_attention_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                          rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """`pooled_attention_torch` over block pools: each row's first ``lengths[b]`` positions, in fp32.
+
+    Block by block ([B, NBMAX, Hkv, BS, D] views of the pools through the table), so that Inductor
+    fuses the gather into the reductions as it does for rows: no copy of the cache is materialised.
+    """
+    b, hq, d = q.shape
+    hkv, bs = k_pool.shape[1], k_pool.shape[2]
+    nb = table.shape[1]
+    g = hq // hkv
+    blocks = table[rows]  # [B, NBMAX]
+    qg = q.view(b, 1, hkv, g, 1, d).float()
+    k = k_pool[blocks].unsqueeze(3)  # [B, NBMAX, Hkv, 1, BS, D]
+    scores = (qg * k.float()).sum(-1) * (1.0 / math.sqrt(d))  # [B, NBMAX, Hkv, g, BS]
+    valid = torch.arange(nb * bs, device=q.device).view(nb, bs)[None] < lengths[:, None, None]  # [B, NBMAX, BS]
+    scores = scores.masked_fill(~valid[:, :, None, None, :], float("-inf"))
+    p = scores.permute(0, 2, 3, 1, 4).reshape(b, hkv, g, nb * bs).softmax(-1).view(b, hkv, g, nb, bs)
+    v = v_pool[blocks].permute(0, 2, 1, 3, 4).unsqueeze(2)  # [B, Hkv, 1, NBMAX, BS, D]
+    out = (p.unsqueeze(-1) * v.float()).sum((-3, -2))  # [B, Hkv, g, D]
+    return out.reshape(b, hq, d).to(q.dtype)

@@ -34,6 +34,7 @@ class MethodDef:
     role: str
     state: list[str] = field(default_factory=list)
     batch_invariant: bool = False  # each row's results independent of the batch (see `invariant`)
+    paged: bool = False  # takes the KV block table [P, NBMAX] after rows; its pools are blocks
 
 
 class PooledModel(nn.Module):
@@ -44,6 +45,15 @@ class PooledModel(nn.Module):
     """
 
     _eager_state: list[torch.Tensor] | None = None  # a one-session pool for eager calls (not a buffer)
+    kv_block: int | None = None  # paged KV: positions per block (set before export); None: one row per session
+
+    def split_table(self, pools: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
+        """(the block table, the pools) of a paged method's trailing inputs; (None, pools) otherwise."""
+        return (pools[0], pools[1:]) if self.kv_block else (None, pools)
+
+    def table_width(self) -> int:
+        """Blocks one session's table holds: enough for max_seq_len + 1 positions."""
+        return -(-(self.max_seq_len + 1) // self.kv_block)
 
     def prefill_inputs(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The prefill inputs before ``rows`` for a chunk of one session (override to add some)."""
@@ -52,8 +62,11 @@ class PooledModel(nn.Module):
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         """Eager: feed ``tokens[1, T]`` at ``input_pos[T]`` to the module's own single session."""
         if self._eager_state is None:
-            self._eager_state = [torch.zeros(1, *shape, dtype=dtype, device=tokens.device)
+            n = self.table_width() if self.kv_block else 1  # paged: one session's blocks, in table order
+            self._eager_state = [torch.zeros(n, *shape, dtype=dtype, device=tokens.device)
                                  for shape, dtype in self.state_specs().values()]
+            if self.kv_block:
+                self._eager_state.insert(0, torch.arange(n, device=tokens.device)[None])
         row = torch.zeros(1, dtype=torch.long, device=tokens.device)
         if tokens.shape[1] == 1:
             return self.decode(tokens, input_pos, row, *self._eager_state)
@@ -74,9 +87,16 @@ def example_pools(specs: dict[str, tuple[list[int], torch.dtype]], fqns: list[st
     return pools, tuple({0: rows} for _ in fqns)
 
 
+def example_table(rows: int, width: int, device: str) -> tuple[tuple, tuple, int]:
+    """An example block table [rows, width] (row r's blocks are r*width ...), its dynamic dims, and how
+    many blocks the example pools need."""
+    table = torch.arange(rows * width, dtype=torch.long, device=device).view(rows, width)
+    return (table,), ({0: torch.export.Dim("pool_rows", min=2, max=MAX_POOL_ROWS)},), rows * width + 1
+
+
 def pooled_methods(specs: dict[str, tuple[list[int], torch.dtype]], max_seq_len: int, device: str,
                    methods: dict[str, tuple[nn.Module, str]], vocab: list[int],
-                   prefill_context: bool = False) -> dict[str, MethodDef]:
+                   prefill_context: bool = False, kv_block: int | None = None) -> dict[str, MethodDef]:
     """MethodDefs for token methods of the two standard roles, every state pool passed to each.
 
     A decode method ``<name>`` (the fastest: the BLAS GEMM on CPU, cuBLAS past a few rows on CUDA); on
@@ -86,9 +106,17 @@ def pooled_methods(specs: dict[str, tuple[list[int], torch.dtype]], max_seq_len:
     or with ``prefill_context`` prefill(tokens[1, T], input_pos[T], context[L], rows[1], *pools) where
     ``context`` is arange(L), L = the chunk's last position + 1: its length, a dynamic dim, lets the
     chunk attend to the filled prefix only (the runtime passes a view, no copy).
+    ``kv_block``: paged KV: the block table [P, NBMAX] follows rows, and the pools' leading dim counts
+    blocks of ``kv_block`` positions.
     """
     fqns = list(specs)
     pools, pool_dims = example_pools(specs, fqns, device)
+    table, table_dims = (), ()
+    if kv_block:
+        table, table_dims, n_blocks = example_table(EXAMPLE_POOL_ROWS, -(-(max_seq_len + 1) // kv_block), device)
+        blocks = torch.export.Dim("kv_blocks", min=2, max=1 << 24)
+        pools = tuple(torch.zeros(n_blocks, *specs[f][0], dtype=specs[f][1], device=device) for f in fqns)
+        pool_dims = tuple({0: blocks} for _ in fqns)
     long = dict(dtype=torch.long, device=device)
     positions = [0, max_seq_len]
     out: dict[str, MethodDef] = {}
@@ -116,8 +144,10 @@ def pooled_methods(specs: dict[str, tuple[list[int], torch.dtype]], max_seq_len:
                 inputs.append(InputSpec("context", "int64", [dyn], positions))
         else:
             raise ValueError(f"pooled_methods makes decode and prefill methods, not {role!r}")
-        out[name] = MethodDef(module, args + pools, shapes + (pool_dims,), inputs, role, fqns)  # *pools: one entry
+        # *pools (the table first when paged): one entry of dynamic shapes
+        full, dims = args + table + pools, shapes + (table_dims + pool_dims,)
+        out[name] = MethodDef(module, full, dims, inputs, role, fqns, paged=bool(kv_block))
         if role == "decode" and invariant.available(device):
-            out[f"{name}_invariant"] = MethodDef(invariant_method(module), args + pools, shapes + (pool_dims,), inputs,
-                                                 role, fqns, batch_invariant=True)
+            out[f"{name}_invariant"] = MethodDef(invariant_method(module), full, dims, inputs, role, fqns,
+                                                 batch_invariant=True, paged=bool(kv_block))
     return out

@@ -119,8 +119,12 @@ class Block(nn.Module):
         if attn.qk_norm:
             y = attn.attend(qkv[:, None], cos, sin, step, k_pool, v_pool)[:, 0]
         else:  # RoPE and the K/V cache write happen inside the attention kernel
-            y = kernels.decode_attention_rope(qkv, cos[:, 0, 0], sin[:, 0, 0], k_pool, v_pool, step.rows,
-                                              step.input_pos).flatten(1)
+            if step.table is not None:
+                y = kernels.paged_decode_attention_rope(qkv, cos[:, 0, 0], sin[:, 0, 0], k_pool, v_pool, step.table,
+                                                        step.rows, step.input_pos).flatten(1)
+            else:
+                y = kernels.decode_attention_rope(qkv, cos[:, 0, 0], sin[:, 0, 0], k_pool, v_pool, step.rows,
+                                                  step.input_pos).flatten(1)
         dim = x.shape[1]
 
         def rest_few(y, x, wo, g, w13, w2):
@@ -144,7 +148,9 @@ class Transformer(PooledModel):
     of B sessions; ``prefill(tokens[1, T], input_pos[T], context[L], rows[1], *pools) -> logits[1, vocab]``:
     a chunk of one session's prompt (only the last position's logits: generation needs no others),
     attending to the L = input_pos[-1] + 1 filled positions of its row only.
-    ``pools`` are the `state_fqns` tensors in order, each [P, n_kv_heads, max_seq_len, head_dim].
+    ``pools`` are the `state_fqns` tensors in order, each [P, n_kv_heads, max_seq_len + 1, head_dim]; with
+    ``kv_block`` (paged KV, the default export) they follow the block table [P, NBMAX] and are each
+    [NB, n_kv_heads, kv_block, head_dim] (`attention.attend_paged`).
     Calling the module itself (``model(tokens, input_pos)``) prefills one session whose state the
     module keeps: the eager reference the tests compare against.
     """
@@ -163,15 +169,21 @@ class Transformer(PooledModel):
         self.rope_inv_freq.data = inv_freq  # RoPE angles stay in fp32 whatever the model dtype
 
     def state_specs(self) -> dict[str, tuple[list[int], torch.dtype]]:
-        """Each state tensor's per-session shape and dtype: every layer's K and V cache."""
+        """Each state tensor's shape and dtype: every layer's K and V cache, per session row, or per block
+        of ``kv_block`` positions when paged (then every state tensor is paged)."""
         # One spare position: a prefill's context (at most max_seq_len) is then always a strict prefix of
         # the row, so export need not special-case a context that spans the whole row.
-        shape = [self.config.n_kv_heads, self.max_seq_len + 1, self.config.head_dim]
+        length = self.kv_block or self.max_seq_len + 1
+        shape = [self.config.n_kv_heads, length, self.config.head_dim]
         return {f"layers.{i}.attention.{n}": (shape, self.dtype) for i in range(len(self.layers))
                 for n in ("k_cache", "v_cache")}
 
     def state_fqns(self) -> list[str]:
         return list(self.state_specs())
+
+    def paged_state(self) -> list[str]:
+        """The state tensors laid out in blocks (all of them when ``kv_block`` is set)."""
+        return self.state_fqns() if self.kv_block else []
 
     def _run(self, tokens: torch.Tensor, step: Step, pools: tuple[torch.Tensor, ...]) -> torch.Tensor:
         x = self.tok_embeddings(tokens)
@@ -189,12 +201,14 @@ class Transformer(PooledModel):
 
     def decode(self, tokens: torch.Tensor, input_pos: torch.Tensor, rows: torch.Tensor,
                *pools: torch.Tensor) -> torch.Tensor:
-        return self._run(tokens, Step(rows, input_pos, decode=True), pools)
+        table, pools = self.split_table(pools)
+        return self._run(tokens, Step(rows, input_pos, decode=True, table=table), pools)
 
     def prefill(self, tokens: torch.Tensor, input_pos: torch.Tensor, context: torch.Tensor, rows: torch.Tensor,
                 *pools: torch.Tensor) -> torch.Tensor:
         torch._check(tokens.shape[1] <= context.shape[0])
-        return self._run(tokens, Step(rows, input_pos, decode=False, context=context), pools)
+        table, pools = self.split_table(pools)
+        return self._run(tokens, Step(rows, input_pos, decode=False, context=context, table=table), pools)
 
     def prefill_inputs(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tokens, input_pos, torch.arange(int(input_pos[-1]) + 1, device=tokens.device)
@@ -206,4 +220,4 @@ class Transformer(PooledModel):
         return pooled_methods(self.state_specs(), max_seq_len, device, {
             "prefill": (as_method(self, Transformer.prefill), "prefill"),
             "decode": (as_method(self, Transformer.decode), "decode"),
-        }, vocab, prefill_context=True)
+        }, vocab, prefill_context=True, kv_block=self.kv_block)

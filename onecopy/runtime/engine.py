@@ -87,6 +87,34 @@ def size_pool(row_bytes: int, device: torch.device, *, max_sessions: int | None,
     return rows, f"{rows} rows: the CPU default (pass max_sessions or memory_budget to change it)"
 
 
+def size_blocks(rows: int, why: str, manifest: Manifest, fixed_row_bytes: int, device: torch.device, *,
+                kv_blocks: int | None, sized_by_user: bool, memory_fraction: float, reserve: int) -> tuple[int, int, str]:
+    """(rows, KV blocks, why) for a paged bundle, from the rows `size_pool` gave at full length.
+
+    By default every row can fill max_seq_len (``rows`` x the table width); on CUDA with nothing asked
+    the blocks take the free memory instead, with CUDA_MAX_SESSIONS rows: sessions that share a prompt
+    or stop early then fit beyond that count. ``kv_blocks`` sets the blocks itself.
+    """
+    paged = manifest.paged_state
+    block_bytes = sum(manifest.state[f].nbytes for f in paged)
+    width = manifest.table_width
+    if kv_blocks is not None:
+        if kv_blocks < 1:
+            raise InputError(f"kv_blocks must be >= 1, got {kv_blocks}")
+        return rows, kv_blocks, f"{why}; kv_blocks={kv_blocks}"
+    if device.type == "cuda" and not sized_by_user:
+        free, total = torch.cuda.mem_get_info(device)
+        room = min(free, int(total * memory_fraction) - (total - free)) - reserve
+        rows = CUDA_MAX_SESSIONS
+        blocks = (room - (rows + 1) * fixed_row_bytes) // block_bytes - 1
+        if blocks < width:
+            raise SessionCapacityError(f"one session at max_seq_len needs {width} KV blocks of {block_bytes} bytes and "
+                                       f"free GPU memory holds {max(blocks, 0)}; export with a smaller --max-seq-len")
+        return rows, blocks, (f"{rows} rows, {blocks} KV blocks ({blocks * manifest.kv_block_size} positions) from "
+                              f"{memory_fraction:.2f} of GPU memory after what is in use and the reserve")
+    return rows, rows * width, f"{why}; {rows * width} KV blocks: every row can reach max_seq_len"
+
+
 def methods_to_load(manifest: Manifest, deterministic: bool) -> list[str]:
     """The methods an engine loads: every method but one decode. Deterministic: the batch-invariant one
     if the bundle has it (CUDA bundles), else the plain one, run one row per call (`runtime.step`).
@@ -103,6 +131,9 @@ class Engine:
 
     def __init__(self, path: Path, manifest: Manifest, device: torch.device, methods: dict[str, Method],
                  store: WeightStore, baseline_used: int) -> None:
+        self.prefix_cache = False  # shared prompt blocks (`runtime.prefix`); see prefix_cache_note
+        self.prefix_cache_note = ""
+        self._prefilling: list[Request] = []  # admitted fresh requests whose prompt is not all published yet
         self.path, self.manifest, self.device = path, manifest, device
         self._methods, self._store = methods, store
         self._baseline_used = baseline_used
@@ -123,7 +154,8 @@ class Engine:
     def load(cls, bundle_dir: str | Path, device: str | torch.device = "cpu", *, max_sessions: int | None = None,
              memory_budget: int | None = None, memory_fraction: float = 0.9, reserve_bytes: int | None = None,
              cuda_graphs: bool | None = None, deterministic: bool = False, decode_buckets: Sequence[int] | None = None,
-             prefill_chunk: int | None = None, max_queue: int | None = None, max_batch: int | None = None) -> "Engine":
+             prefill_chunk: int | None = None, max_queue: int | None = None, max_batch: int | None = None,
+             prefix_cache: bool = True, kv_blocks: int | None = None) -> "Engine":
         """Validate the whole bundle, load each method and each needed weight once, allocate the state pool.
 
         ``max_sessions``: rows of the state pool (sessions open at once); by default sized from
@@ -140,6 +172,11 @@ class Engine:
         bounds the prompt tokens one prefill call takes; ``max_queue`` bounds requests waiting for a
         row (QueueFullError beyond; default unbounded); ``max_batch`` caps the sessions one decode
         step takes (1 interleaves sessions one step each, the unbatched baseline).
+        ``prefix_cache`` (bundles with paged KV): a request starts on the KV blocks of the longest cached
+        prefix of its prompt (another session's prompt, a finished conversation) and prefills only the
+        rest; off in deterministic mode (prefilling the rest from another cut gives other bits) and for
+        bundles without paged KV; ``memory_report().notes`` says why. ``kv_blocks``: KV blocks of the
+        paged cache (default: every row can reach max_seq_len; on CUDA, the free memory).
         Raises a BundleError subclass, InputError or SessionCapacityError, and then holds nothing.
         """
         dev = torch.device(device)
@@ -177,7 +214,7 @@ class Engine:
                 max_sessions, deterministic = 1, False
             engine._setup(max_sessions, memory_budget, memory_fraction,
                           default_reserve(dev) if reserve_bytes is None else reserve_bytes, cuda_graphs, deterministic,
-                          decode_buckets, prefill_chunk, max_queue, max_batch)
+                          decode_buckets, prefill_chunk, max_queue, max_batch, prefix_cache, kv_blocks)
         except BaseException:
             if engine is not None:
                 engine.close()
@@ -198,7 +235,8 @@ class Engine:
 
     def _setup(self, max_sessions: int | None, memory_budget: int | None, memory_fraction: float, reserve: int,
                cuda_graphs: bool | None, deterministic: bool, decode_buckets: Sequence[int] | None,
-               prefill_chunk: int | None, max_queue: int | None, max_batch: int | None) -> None:
+               prefill_chunk: int | None, max_queue: int | None, max_batch: int | None, prefix_cache: bool = False,
+               kv_blocks: int | None = None) -> None:
         """Size the pool, build the runner (pool, sampler, decode step, graphs), the scheduler and its loop."""
         m = self.manifest
         if not m.state:
@@ -208,20 +246,38 @@ class Engine:
             raise InputError(f"cuda_graphs=True needs a 'decode' method bound to the shared weights; bundle "
                              f"{self.path} has {', '.join(self._methods)}: load it with cuda_graphs=False")
         vocab = m.config["vocab_size"]
-        row_bytes = sum(s.nbytes for s in m.state.values())
-        # The sampler keeps up to three bool [rows, vocab] tables: count them with the row.
-        rows, self.pool_sizing = size_pool(row_bytes + 3 * vocab, self.device, max_sessions=max_sessions,
+        paged = set(m.paged_state)
+        # The sampler keeps up to three bool [rows, vocab] tables: count them with the row (and its block table).
+        fixed = sum(s.nbytes for k, s in m.state.items() if k not in paged) + 3 * vocab + 8 * m.table_width
+        full = fixed + m.table_width * sum(m.state[f].nbytes for f in paged)  # a session at max_seq_len
+        rows, self.pool_sizing = size_pool(full, self.device, max_sessions=max_sessions,
                                            memory_budget=memory_budget, memory_fraction=memory_fraction,
                                            reserve=reserve)
+        blocks = 0
+        if paged:
+            rows, blocks, self.pool_sizing = size_blocks(
+                rows, self.pool_sizing, m, fixed, self.device, kv_blocks=kv_blocks,
+                sized_by_user=max_sessions is not None or memory_budget is not None,
+                memory_fraction=memory_fraction, reserve=reserve)
         self.deterministic = deterministic
+        if not paged:
+            self.prefix_cache_note = "prefix cache off: this bundle's state has a row per session (no paged KV)"
+        elif not prefix_cache:
+            self.prefix_cache_note = "prefix cache off (prefix_cache=False)"
+        elif deterministic:
+            self.prefix_cache_note = ("prefix cache off in deterministic mode: prefilling a prompt's rest after a "
+                                      "cached prefix cuts it elsewhere, which changes bits")
+        self.prefix_cache = bool(paged) and prefix_cache and not deterministic
         self.runner = ModelRunner(self.path, m, self.device, self._methods, self._store, rows,
-                                  deterministic=deterministic, cuda_graphs=cuda_graphs, decode_buckets=decode_buckets)
+                                  deterministic=deterministic, cuda_graphs=cuda_graphs, decode_buckets=decode_buckets,
+                                  kv_blocks=blocks, prefix_cache=self.prefix_cache)
         log.info("%s on %s: %s; decode %s%s", self.path.name, self.device, self.pool_sizing,
                  decode.name if decode else "none",
                  f", graphs for {self.runner.graph_buckets}" if self.runner.graph_buckets else "")
         chunk = min(prefill_chunk or DEFAULT_PREFILL_CHUNK, self.prefill_bound)
         self.scheduler = Scheduler(self, max_seq_len=m.max_seq_len, has_prefill=self.has_prefill, prefill_chunk=chunk,
-                                   max_queue=max_queue, max_batch=max_batch)
+                                   max_queue=max_queue, max_batch=max_batch,
+                                   blocks=self if self.runner.blocks is not None else None)
         # Overlap step t+1 with step t's ids on CUDA; not with recurrent state: the step queued after a
         # stop id would advance it for good.
         self.loop = EngineLoop(self.scheduler, self.runner, self._lock, on_finished=self._request_finished,
@@ -303,12 +359,13 @@ class Engine:
 
     @property
     def state_bytes_per_session(self) -> int:
-        """Sum of the state tensors' bytes one session owns (one pool row)."""
-        return self.runner.pool.row_bytes
+        """Bytes of state one session holds at most: its pool row, and with paged KV its blocks at max_seq_len."""
+        r = self.runner
+        return r.pool.row_bytes + (r.blocks.width * r.blocks.block_bytes if r.blocks is not None else 0)
 
     @property
     def session_bytes(self) -> int:
-        return self.runner.pool.row_bytes
+        return self.state_bytes_per_session
 
     @property
     def graph_buckets(self) -> list[int]:
@@ -405,7 +462,7 @@ class Engine:
         pool = self.runner.pool
         return SessionCapacityError(
             f"cannot open another session: all {pool.rows} rows of the state pool are in use "
-            f"({self.pool_sizing}; {pool.row_bytes} bytes each){extra}. Close a session, or load the engine "
+            f"({self.pool_sizing}; {self.state_bytes_per_session} bytes each){extra}. Close a session, or load the engine "
             "with a larger max_sessions (export with a smaller --max-seq-len to fit more)")
 
     def release_session(self, session: Session) -> None:
@@ -416,6 +473,8 @@ class Engine:
             if not self.closed:
                 self.runner.release(session.row)
                 self.runner.pool.release(session.row)
+                if self.runner.blocks is not None:
+                    self.runner.blocks.release(session.row)
         if not self.closed:
             self.loop.wake()  # a waiting request may take the row
 
@@ -430,8 +489,73 @@ class Engine:
                 session._stream = None
             pending = session.close_pending
         kept = req.keep_session and req.finish_reason in ("stop", "length")
+        if req in self._prefilling:
+            self._prefilling.remove(req)
+        blocks = self.runner.blocks
+        if blocks is not None and not session.closed:
+            held = req.base + req.prompt + req.stream.ids if req.base is not None and req.finish_reason != "error" else None
+            session.tokens = held[:session.position] if held is not None else None
+            if session.tokens is not None:
+                blocks.publish(session.row, session.tokens)  # the conversation so far, for its next turn
+            blocks.trim(session.row, session.position)  # what it reserved and did not write
         if (req.own_session and not kept) or pending:
             self.release_session(session)
+
+    # -- KV blocks (the scheduler's BlockAdmission) ----------------------------------------------
+    def _request_span(self, req: Request, start: int) -> int:
+        """The end of the positions a request may write: its prompt and all but its last new token."""
+        return max(start + len(req.prompt), min(start + len(req.prompt) + req.params.max_new_tokens - 1,
+                                                self.max_seq_len))
+
+    def _cached_prefix(self, req: Request, touch: bool) -> tuple[list[int], int]:
+        """The cached blocks a fresh request's prompt starts with and the tokens it takes from them (at
+        least one prompt token is left to prefill: its logits are the first sample)."""
+        if not self.prefix_cache or not req.own_session:
+            return [], 0
+        blocks = self.runner.blocks
+        found = blocks.lookup(req.prompt, touch)
+        cached = min(len(found) * blocks.block_size, len(req.prompt) - 1)
+        return found[:blocks.blocks_for(cached)], cached
+
+    def fits(self, req: Request) -> bool:
+        """Whether the KV blocks a request needs are free or evictable now."""
+        blocks = self.runner.blocks
+        if not req.own_session:
+            s = req.session
+            return blocks.cost(s.row, s.position, self._request_span(req, s.position)) <= blocks.available
+        shared, cached = self._cached_prefix(req, touch=False)
+        if self.prefix_cache and any(self._common_blocks(p.prompt, req.prompt) > len(shared) for p in self._prefilling):
+            return False  # a prompt being prefilled now holds more of it: wait and share its blocks
+        need = blocks.blocks_for(self._request_span(req, 0)) - len(shared) + (1 if cached % blocks.block_size else 0)
+        return need <= blocks.available - sum(1 for b in shared if blocks.refs[b] == 0)
+
+    def _common_blocks(self, a: list[int], b: list[int]) -> int:
+        """Full blocks two prompts share from their start (b's last token excluded: it is always prefilled)."""
+        bs, n = self.runner.blocks.block_size, 0
+        while (n + 1) * bs <= min(len(a), len(b) - 1) and a[n * bs:(n + 1) * bs] == b[n * bs:(n + 1) * bs]:
+            n += 1
+        return n
+
+    def place(self, req: Request) -> None:
+        """Give an admitted request its blocks: a fresh session starts on the cached prefix of its prompt."""
+        blocks, session = self.runner.blocks, req.session
+        if req.own_session:
+            shared, req.cached = self._cached_prefix(req, touch=True)
+            blocks.share(session.row, shared)
+            session.position, session.tokens = req.cached, list(req.prompt[:req.cached])
+            req.stream.cached_tokens = req.cached
+            if self.prefix_cache:
+                self._prefilling.append(req)
+        req.base = list(session.tokens[:session.position - req.cached]) if session.tokens is not None else None
+        blocks.prepare(session.row, session.position, self._request_span(req, session.position - req.cached))
+
+    def prefilled(self, req: Request) -> None:
+        """A request's prompt is in its session (queued): later prompts may start on its blocks."""
+        if req in self._prefilling:
+            self._prefilling.remove(req)
+        if self.prefix_cache and req.base is not None:
+            req.session.tokens = req.base + req.prompt
+            self.runner.blocks.publish(req.session.row, req.session.tokens)
 
     @property
     def sessions_open(self) -> int:
@@ -469,6 +593,13 @@ class Engine:
         stop = frozenset(self.eos_token_ids if stop_ids is None else stop_ids)
         req = Request(0, ids, params, stop, session, own_session=session is None, keep_session=keep_session,
                       encode_inputs=encode_inputs)
+        blocks = self.runner.blocks
+        if blocks is not None and blocks.blocks_for(self._request_span(req, start)) > blocks.blocks:
+            need = blocks.blocks_for(self._request_span(req, start))
+            raise SessionCapacityError(
+                f"the request may write {self._request_span(req, start)} positions ({need} KV blocks of "
+                f"{blocks.block_size}) and the whole KV cache has {blocks.blocks} blocks; ask for fewer max_new_tokens "
+                "or a shorter prompt, or load the engine with more kv_blocks")
         return self.loop.submit(req)
 
     # -- accounting ----------------------------------------------------------------------------
@@ -486,18 +617,30 @@ class Engine:
             notes.append(f"methods {names} carry their own weights (fallback path): re-export to share one copy")
         if self.fail_closed_reason:
             notes.append(self.fail_closed_reason)
+        if self.prefix_cache_note:
+            notes.append(self.prefix_cache_note)
         used = device_used(self.device)
         r = self.runner
         graphs = r.step.graphs if r.step is not None else None
+        kv = {}
+        state_bytes = len(self._sessions) * r.pool.row_bytes
+        if r.blocks is not None:
+            b, use = r.blocks, r.blocks.usage()
+            kv = dict(kv_block_size=b.block_size, kv_blocks=b.blocks, kv_shared_bytes=use["shared"] * b.block_bytes,
+                      kv_private_bytes=use["private"] * b.block_bytes, kv_evictable_bytes=use["cached"] * b.block_bytes,
+                      kv_free_bytes=use["free"] * b.block_bytes, kv_references=use["references"],
+                      prefix_cache=self.prefix_cache, prefix_cached_tokens=self.scheduler.stats.cached_tokens)
+            state_bytes += (use["shared"] + use["private"]) * b.block_bytes
         return MemoryReport(device=str(self.device), unique_weight_bytes=unique, resident_weight_bytes=resident,
                             duplicated_weight_bytes=resident - unique,
-                            state_bytes=len(self._sessions) * r.pool.row_bytes,
-                            sessions_open=len(self._sessions), state_bytes_per_session=r.pool.row_bytes,
+                            state_bytes=state_bytes,
+                            sessions_open=len(self._sessions), state_bytes_per_session=self.state_bytes_per_session,
                             device_used_bytes=used - self._baseline_used, device_total_used_bytes=used,
-                            capacity=r.pool.free_rows, pool_rows=r.pool.rows, pool_bytes=r.pool.nbytes,
+                            capacity=r.pool.free_rows, pool_rows=r.pool.rows,
+                            pool_bytes=r.pool.nbytes + (r.blocks.nbytes if r.blocks is not None else 0),
                             pool_sizing=self.pool_sizing, sampler_bytes=r.sampler.nbytes,
                             graph_buckets=self.graph_buckets, graph_bytes=graphs.device_bytes if graphs else 0,
-                            workspace_bytes=r.workspace.nbytes, deterministic=self.deterministic, notes=notes)
+                            workspace_bytes=r.workspace.nbytes, deterministic=self.deterministic, notes=notes, **kv)
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:

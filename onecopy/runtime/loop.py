@@ -59,6 +59,7 @@ class TokenStream:
         self._request: Request | None = None
         self._loop: EngineLoop | None = None
         self.session: "Session | None" = None  # the session it ran on; the caller's to close with keep_session
+        self.cached_tokens = 0  # prompt tokens found in the prefix cache (not prefilled), known at admission
 
     # -- producer side (the engine loop) ---------------------------------------------------------
     def _push(self, token_id: int) -> None:

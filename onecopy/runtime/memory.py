@@ -66,6 +66,16 @@ class MemoryReport:
     workspace_bytes: int = 0  # named static buffers
     deterministic: bool = False
     notes: list[str] = field(default_factory=list)
+    # Paged KV (0 without): blocks of kv_block_size positions, by who references them.
+    kv_block_size: int = 0
+    kv_blocks: int = 0
+    kv_shared_bytes: int = 0  # blocks two or more sessions read (a shared prompt: held once)
+    kv_private_bytes: int = 0  # blocks one session reads
+    kv_evictable_bytes: int = 0  # cached prefixes no session holds: reused by later prompts, evicted LRU first
+    kv_free_bytes: int = 0
+    kv_references: int = 0  # block references summed over sessions (what unshared KV would take, in blocks)
+    prefix_cache: bool = False
+    prefix_cached_tokens: int = 0  # prompt tokens taken from the cache instead of prefilled, since load
 
     def __str__(self) -> str:
         buckets = ",".join(map(str, self.graph_buckets)) or "none"
@@ -76,6 +86,10 @@ class MemoryReport:
             ("duplicated weights", _mib(self.duplicated_weight_bytes)),
             ("state pool", f"{self.pool_rows} rows + scratch, {_mib(self.pool_bytes)}"),
             ("state per session", _mib(self.state_bytes_per_session)),
+            *([("KV blocks", f"{self.kv_blocks} x {self.kv_block_size} positions"),
+               ("KV shared / private", f"{_mib(self.kv_shared_bytes)} / {_mib(self.kv_private_bytes)}"),
+               ("KV cached (evictable)", _mib(self.kv_evictable_bytes)),
+               ("KV free", _mib(self.kv_free_bytes))] if self.kv_blocks else []),
             ("sessions open", str(self.sessions_open)),
             ("sessions that still fit", str(self.capacity)),
             ("decode graphs (batch sizes)", buckets),
@@ -86,6 +100,9 @@ class MemoryReport:
         ]
         w = max(len(k) for k, _ in rows)
         lines = [f"{k:<{w}}  {v:>14}" for k, v in rows] + [f"pool sizing: {self.pool_sizing}"]
+        if self.kv_blocks:
+            lines.append(f"prefix cache: {'on' if self.prefix_cache else 'off'}, {self.prefix_cached_tokens} prompt "
+                         "tokens taken from it")
         if self.deterministic:
             lines.append("deterministic: the batch-invariant decode (a session's bits never depend on its neighbours)")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])

@@ -14,6 +14,7 @@ import torch
 from ..bundle import Manifest
 from ..errors import InputError
 from ..sampling import BatchSampler, to_device
+from .blocks import KVBlocks
 from .graphs import DecodeGraphs
 from .method import Method
 from .pool import StatePool
@@ -50,11 +51,15 @@ class ModelRunner:
 
     def __init__(self, path: Path, manifest: Manifest, device: torch.device, methods: dict[str, Method],
                  store: WeightStore, rows: int, *, deterministic: bool, cuda_graphs: bool | None,
-                 decode_buckets: Sequence[int] | None) -> None:
+                 decode_buckets: Sequence[int] | None, kv_blocks: int = 0, prefix_cache: bool = False) -> None:
         self.path, self.manifest, self.device = path, manifest, device
         self.methods, self.store = methods, store
         self.workspace = Workspace()
-        self.pool = StatePool(manifest.state, rows, device)
+        paged = set(manifest.paged_state)
+        self.pool = StatePool({k: v for k, v in manifest.state.items() if k not in paged}, rows, device)
+        # Paged KV: ``kv_blocks`` blocks shared by every row through its block table (`blocks`).
+        self.blocks = KVBlocks({k: manifest.state[k] for k in manifest.state if k in paged}, kv_blocks, rows,
+                               manifest.table_width, manifest.kv_block_size, device, prefix_cache) if paged else None
         # Row ids spaced 16 bytes apart: a one-row view stays 16-byte aligned, as the packages were compiled for
         # (an unaligned input is copied by AOTI on every call).
         self._row_index = torch.arange(rows + 1, device=device).repeat_interleave(2)
@@ -68,7 +73,8 @@ class ModelRunner:
         if decode_buckets and max(buckets) < rows:
             buckets.append(rows)  # a step of every session must fit some graph
         if decode is not None:
-            self.step = DecodeStep(decode, self.pool, self.workspace, buckets=buckets, pad=decode_buckets is not None,
+            self.step = DecodeStep(decode, self.pool, self._pools(decode), self.workspace, buckets=buckets,
+                                   pad=decode_buckets is not None,
                                    one_row_per_call=runs_one_row_per_call(decode.spec, deterministic))
             use_graphs = device.type == "cuda" and not decode.embeds_weights if cuda_graphs is None else cuda_graphs
             if use_graphs:
@@ -89,7 +95,10 @@ class ModelRunner:
         return self._row_index[2 * row:2 * row + 1]
 
     def _pools(self, method: Method) -> list[torch.Tensor]:
-        return [self.pool.tensors[f] for f in method.spec.state]
+        """What a method takes after rows: the block table (paged KV), then one pool per state FQN."""
+        paged = self.blocks.tensors if self.blocks is not None else {}
+        pools = [paged[f] if f in paged else self.pool.tensors[f] for f in method.spec.state]
+        return [self.blocks.table, *pools] if method.spec.paged else pools
 
     @staticmethod
     def _takes_context(method: Method) -> bool:
@@ -108,6 +117,9 @@ class ModelRunner:
         if method.role == "decode" and inputs[0].shape[0] != 1:
             raise InputError(f"{name} on one session takes a batch of 1, got {inputs[0].shape[0]}; "
                              "batches of sessions go through the scheduler")
+        if method.spec.paged and len(inputs) > 1 and inputs[1].numel():  # input_pos: the positions it writes
+            lo, hi = (int(v) for v in torch.aminmax(inputs[1]))
+            self.blocks.prepare(row, lo, hi + 1)
         with torch.inference_mode():
             return method(*inputs, self._rows(row), *self._pools(method))
 
@@ -192,4 +204,6 @@ class ModelRunner:
         self.step = None
         self.workspace.clear()
         self.pool.release_memory()
+        if self.blocks is not None:
+            self.blocks.release_memory()
         self.sampler.clear()

@@ -58,8 +58,10 @@ class Request:
     launched: int = 0  # tokens sampled on the device
     generated: int = 0  # tokens whose ids came back
     exhausted: bool = False  # its last token is launched: no more steps
-    start: int = 0  # the session's position when the request was admitted
+    start: int = 0  # the session's position before the prompt (its first `cached` tokens already in the state)
     admitted: bool = False  # got its session (stays true after it finishes)
+    cached: int = 0  # prompt tokens found in the prefix cache: in the state at admission, not prefilled
+    base: list[int] | None = None  # the ids the session held before the prompt (None: unknown), for the cache
 
     @property
     def reading_prompt(self) -> bool:
@@ -108,6 +110,16 @@ class Rows(Protocol):
     def open_session(self) -> "Session": ...
 
 
+class BlockAdmission(Protocol):
+    """Where requests get their KV blocks, for bundles with paged KV (the Engine)."""
+
+    def fits(self, req: Request) -> bool: ...  # enough blocks free or evictable for the request now
+
+    def place(self, req: Request) -> None: ...  # take them (and a cached prefix); sets req.cached
+
+    def prefilled(self, req: Request) -> None: ...  # its prompt is all in the state (queued): publish it
+
+
 class Reclaimer(Protocol):
     """Something holding idle sessions that may be closed when their rows are needed."""
 
@@ -123,6 +135,7 @@ class SchedulerStats:
     requests_submitted: int = 0
     requests_finished: dict[str, int] = field(default_factory=lambda: collections.Counter())
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of prefilled
     generated_tokens: int = 0
     decode_steps: int = 0
     decode_rows: int = 0  # sessions decoded, summed over the steps (rows / steps: the mean batch)
@@ -138,7 +151,8 @@ class Scheduler:
     """
 
     def __init__(self, rows: Rows, *, max_seq_len: int, has_prefill: bool, prefill_chunk: int,
-                 max_queue: int | None = None, max_batch: int | None = None) -> None:
+                 max_queue: int | None = None, max_batch: int | None = None,
+                 blocks: BlockAdmission | None = None) -> None:
         if prefill_chunk < 1:
             raise InputError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if max_queue is not None and max_queue < 0:
@@ -149,6 +163,7 @@ class Scheduler:
         self.prefill_chunk, self.max_queue, self.max_batch = prefill_chunk, max_queue, max_batch
         self.stats = SchedulerStats()
         self.reclaimer: Reclaimer | None = None
+        self.blocks = blocks  # paged KV: a request is admitted only when its blocks are there
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[Request] = []  # admitted, in admission order
         self._finished: list[Request] = []  # ended since the last take_finished()
@@ -197,7 +212,10 @@ class Scheduler:
         free = self.rows.free_rows
         if free == 0 and self.reclaimer is not None and self.reclaimer.idle() and any(r.own_session for r in self._waiting):
             return True  # an idle session can make room
-        return any(r.cancel_requested or not r.own_session or free > 0 for r in self._waiting)
+        return any(r.cancel_requested or (not r.own_session or free > 0) and self._fits(r) for r in self._waiting)
+
+    def _fits(self, req: Request) -> bool:
+        return self.blocks is None or self.blocks.fits(req)
 
     # -- one iteration -----------------------------------------------------------------------------
     def admit(self) -> list[Request]:
@@ -205,7 +223,13 @@ class Scheduler:
         for req in [r for r in self._waiting if r.cancel_requested] + [r for r in self._running if r.cancel_requested]:
             self.finish(req, "cancelled")
         admitted = []
+        blocked = False  # the oldest request needing a row waits for KV blocks: later ones must not overtake it
         for req in list(self._waiting):
+            if req.own_session and blocked:
+                continue
+            if not self._fits(req):
+                blocked = blocked or req.own_session
+                continue  # waits for KV blocks (requests end and give theirs back)
             if req.own_session:
                 # Out of the queue before a kept conversation is reclaimed or a row taken: `add` runs on
                 # other threads, and its bound must never see a request counted both waiting and seated.
@@ -221,10 +245,18 @@ class Scheduler:
                     continue
             else:
                 self._waiting.remove(req)
+            if self.blocks is not None:
+                try:
+                    self.blocks.place(req)
+                except OnecopyError as e:
+                    req.admitted = True  # its session is the engine's to release
+                    self.finish(req, "error", e)
+                    continue
             self._running.append(req)
             req.status, req.admitted = RequestStatus.PREFILLING, True
-            req.start = req.session.position
+            req.start, req.fed = req.session.position - req.cached, req.cached
             self.stats.prompt_tokens += len(req.prompt)
+            self.stats.cached_tokens += req.cached
             admitted.append(req)
         return admitted
 
@@ -248,6 +280,8 @@ class Scheduler:
                 if not req.reading_prompt:
                     plan.sample.append((req, -1))
                     plan.sample_positions.append(req.session.position)
+                    if self.blocks is not None:
+                        self.blocks.prefilled(req)
         step = [r for r in self._running if not r.exhausted and (not r.reading_prompt and r.launched > 0
                                                                   or (not self.has_prefill and r.reading_prompt))]
         if self.max_batch is not None and len(step) > self.max_batch:

@@ -46,6 +46,7 @@ class Session:
     def __init__(self, engine: "Engine", session_id: int, row: int) -> None:
         self.engine, self.id, self.row = engine, session_id, row
         self.position = 0  # tokens already in the state (next write position)
+        self.tokens: list[int] | None = []  # the ids the state holds, when known (what the prefix cache publishes)
         self.closed = False
         self.close_pending = False  # closed while a request still ran: the row goes back when it ends
         self._kept: dict[str, torch.Tensor] = {}  # named device slots
@@ -54,9 +55,21 @@ class Session:
 
     @property
     def state(self) -> dict[str, torch.Tensor]:
-        """This session's state tensors by FQN: views of its row of the pool."""
+        """This session's state tensors by FQN: views of its row of the pool; paged KV comes as a copy
+        gathered from its blocks, [H, table width x block size, D] (positions it never wrote are zero)."""
         self.check_open()
-        return self.engine.runner.pool.row(self.row)
+        runner = self.engine.runner
+        state = runner.pool.row(self.row)
+        if runner.blocks is not None:
+            state.update(runner.blocks.gather(self.row))
+        return {k: state[k] for k in self.engine.manifest.state}
+
+    def _writes(self, upto: int) -> None:
+        """Paged KV: make positions [position, upto) this session's own to write (blocks taken, shared
+        ones copied); SessionCapacityError before anything runs when the cache is full."""
+        blocks = self.engine.runner.blocks
+        if blocks is not None:
+            blocks.prepare(self.row, self.position, upto)
 
     @property
     def state_bytes(self) -> int:
@@ -88,6 +101,7 @@ class Session:
             self._check_idle()
             resolved = tuple(self.slot(i.name) if isinstance(i, Slot) else i for i in inputs)
             out = self.engine.runner.run(self.row, method, resolved)
+            self.tokens = None  # written by a method whose inputs this session does not read
         if keep_as is not None:
             self.keep(keep_as, out)
         return out
@@ -124,6 +138,9 @@ class Session:
         with self.engine.lock:
             self._check_idle()
             self.engine.check_prompt_fits(ids, self.position)  # under the lock: the position is final here
+            self._writes(self.position + len(ids))
+            if self.tokens is not None:
+                self.tokens = self.tokens[:self.position] + ids
             if self.engine.has_prefill:
                 chunk = self.engine.scheduler.prefill_chunk
                 for i in range(0, len(ids), chunk):
@@ -146,6 +163,8 @@ class Session:
             self._check_idle()
             if self.position >= self.engine.max_seq_len:
                 raise PromptTooLongError(f"session {self.id} is full (max_seq_len={self.engine.max_seq_len}); reset it")
+            self._writes(self.position + 1)
+            self.tokens = None  # its id stays on the device: the held ids are unknown from here
             logits = self.engine.runner.decode([self.row], [self.position], token.reshape(1))
             self.position += 1
         return logits
@@ -183,8 +202,10 @@ class Session:
         with self.engine.lock:
             self._check_idle()
             self.engine.runner.pool.zero_row(self.row)
+            if self.engine.runner.blocks is not None:
+                self.engine.runner.blocks.release(self.row)
             self._kept.clear()
-            self.position = 0
+            self.position, self.tokens = 0, []
 
     def snapshot(self) -> SessionSnapshot:
         """Copy this session's row of every state tensor and its position to host memory."""
@@ -213,9 +234,14 @@ class Session:
                 raise InputError(f"snapshot state {k!r} is {src.dtype}{list(src.shape)}, expected {t.dtype}{list(t.shape)}")
         if not 0 <= snap.position <= self.engine.max_seq_len:
             raise InputError(f"snapshot position {snap.position} is outside 0..{self.engine.max_seq_len}")
-        for k, t in state.items():
+        blocks = self.engine.runner.blocks
+        if blocks is not None:
+            blocks.release(self.row)
+            blocks.scatter(self.row, {k: snap.state[k] for k in blocks.tensors}, snap.position)
+        rows = self.engine.runner.pool.row(self.row)
+        for k, t in rows.items():
             t.copy_(snap.state[k])
-        self.position = snap.position
+        self.position, self.tokens = snap.position, None
 
     def close(self, timeout: float = 60.0) -> None:
         """Cancel its running request, zero its row and give it back; later use raises SessionClosedError.

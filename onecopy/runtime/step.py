@@ -43,8 +43,8 @@ def default_buckets(rows: int) -> list[int]:
 class DecodeStep:
     """Runs decode for (row, token, position) entries; the static inputs live in the workspace."""
 
-    def __init__(self, method: Method, pool: StatePool, workspace: Workspace, *, buckets: list[int],
-                 pad: bool = False, one_row_per_call: bool = False) -> None:
+    def __init__(self, method: Method, pool: StatePool, pools: list[torch.Tensor], workspace: Workspace, *,
+                 buckets: list[int], pad: bool = False, one_row_per_call: bool = False) -> None:
         self.method, self.pool, self.pad, self.one_row_per_call = method, pool, pad, one_row_per_call
         self.device = pool.device
         self.buckets = [1] if one_row_per_call else sorted(set(buckets))
@@ -53,7 +53,7 @@ class DecodeStep:
         self.positions = workspace.get("decode.input_pos", (width,), torch.long, self.device, zero=True)
         self.rows = workspace.get("decode.rows", (width,), torch.long, self.device)
         self.rows.fill_(pool.scratch)
-        self.pools = [pool.tensors[f] for f in method.spec.state]
+        self.pools = pools  # what the method takes after rows (the block table first when paged)
         self.graphs: DecodeGraphs | None = None
         # Each row's next input token, left on the device by sampling (or set from a prompt).
         self.last_token = torch.zeros(pool.rows + 1, dtype=torch.long, device=self.device)

@@ -84,7 +84,8 @@ class _Generation:
         prompt = len(self.req.prompt_ids)
         return {"prompt_tokens": prompt, "completion_tokens": len(self.stream.ids),
                 "total_tokens": prompt + len(self.stream.ids),
-                "prompt_tokens_details": {"cached_tokens": self.reused}}  # held by a kept conversation, not prefilled
+                # held by a kept conversation or found in the prefix cache: not prefilled
+                "prompt_tokens_details": {"cached_tokens": self.reused + self.stream.cached_tokens}}
 
     def settle(self) -> None:
         """After the request (blocking: run in a thread): stop it if still running, then keep the
@@ -200,7 +201,9 @@ class ServerState:
         self.engine, self.config = engine, config
         self.speech = "encode" in {engine.method(n).role for n in engine.methods}
         self.cache = None
-        if config.conversation_cache and not self.speech:
+        # With a prefix cache a finished chat's blocks stay published: its next turn finds them there
+        # (one mechanism); bundles without paged KV keep the whole session instead.
+        if config.conversation_cache and not self.speech and not engine.prefix_cache:
             self.cache = ConversationCache(config.conversation_ttl_s, config.max_conversations)
             engine.scheduler.reclaimer = self.cache
         self.metrics = ServerMetrics(engine, self.cache)

@@ -51,7 +51,7 @@ class ServerMetrics:
     def observe(self, stream: "TokenStream", reused: int) -> None:
         """Count a finished generation."""
         self.prompt_tokens.inc(len(stream.prompt_ids) + reused)
-        self.prefill_saved.inc(reused)
+        self.prefill_saved.inc(reused + stream.cached_tokens)
         self.generated_tokens.inc(len(stream.ids))
         if stream.time_to_first_token is not None:
             self.ttft.observe(stream.time_to_first_token)
