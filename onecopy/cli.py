@@ -159,7 +159,8 @@ def _cmd_info(a: argparse.Namespace) -> int:
 
     m = read_manifest(Path(a.bundle))
     weight_bytes = sum(s.nbytes for s in m.weights.values())
-    state_bytes = sum(s.nbytes for s in m.state.values())
+    paged = set(m.paged_state)  # per block: a session at max_seq_len holds a table's width of them
+    state_bytes = sum(s.nbytes * (m.table_width if k in paged else 1) for k, s in m.state.items())
     cfg = m.config
     print(f"bundle        {a.bundle}  (format v{m.format_version}, built by torch {m.build.get('torch', '?')})")
     shape = " ".join(f"{k}={cfg[k]}" for k in ("n_layers", "dim", "encoder_layers", "decoder_layers", "d_model",
@@ -172,7 +173,11 @@ def _cmd_info(a: argparse.Namespace) -> int:
         print(f"method        {name:<8} weights={spec.weights:<8} role={spec.role:<7}{invariant} "
               f"constants={len(spec.constants)} state={len(spec.state)}  inputs: {shapes}")
     print(f"weights       {len(m.weights)} tensors, {weight_bytes / 2**20:,.1f} MiB (held once on the device)")
-    print(f"state         {len(m.state)} tensors, {state_bytes / 2**20:,.1f} MiB per session")
+    print(f"state         {len(m.state)} tensors, {state_bytes / 2**20:,.1f} MiB per session at max_seq_len")
+    if paged:
+        block = sum(m.state[k].nbytes for k in paged)
+        print(f"kv cache      paged: blocks of {m.kv_block_size} positions ({block / 2**10:,.1f} KiB), "
+              f"{m.table_width} per session at most; sessions share a common prompt's blocks (prefix cache)")
     print(f"memory        one session needs ~{(weight_bytes + state_bytes) / 2**20:,.1f} MiB "
           f"(weights + state), each further session {state_bytes / 2**20:,.1f} MiB")
     if a.device_memory:

@@ -186,3 +186,27 @@ def test_direct_calls_on_a_session_own_their_blocks(tiny_engine):
     assert blocks.owned[a.row] == [] and a.position == 0
     a.close()
     b.close()
+
+
+def test_server_reports_cached_tokens_and_kv_blocks(tiny_bundle):
+    import httpx
+    import openai
+
+    from onecopy.serve import BackgroundServer, ServerConfig
+
+    with onecopy.Engine.load(tiny_bundle, max_sessions=2) as engine, \
+            BackgroundServer(engine, ServerConfig(model_name="tiny")) as server:
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        first = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0)
+        again = c.completions.create(model="tiny", prompt=PROMPT + [9], max_tokens=4, temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert again.usage.prompt_tokens_details.cached_tokens == 32
+        assert server.app.state.onecopy.cache is None  # the prefix cache serves chat turns too
+        text = httpx.get(server.url + "/metrics").text
+        assert 'onecopy_kv_blocks{kind="cached"} 2.0' in text and "onecopy_prefix_reused_tokens_total 32.0" in text
+    with onecopy.Engine.load(tiny_bundle, max_sessions=2, prefix_cache=False) as engine, \
+            BackgroundServer(engine, ServerConfig(model_name="tiny")) as server:
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        c.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0)
+        again = c.completions.create(model="tiny", prompt=PROMPT + [9], max_tokens=4, temperature=0)
+        assert again.usage.prompt_tokens_details.cached_tokens == 0

@@ -29,8 +29,8 @@ class ServerMetrics:
                                 registry=r)
         self.prompt_tokens = Counter("onecopy_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generated_tokens = Counter("onecopy_generation_tokens", "Generated tokens", registry=r)
-        self.prefill_saved = Counter("onecopy_prefix_reused_tokens", "Prompt tokens not prefilled again thanks to a "
-                                     "cached conversation", registry=r)
+        self.prefill_saved = Counter("onecopy_prefix_reused_tokens", "Prompt tokens not prefilled again: found in "
+                                     "the prefix cache or a kept conversation", registry=r)
         self.ttft = Histogram("onecopy_time_to_first_token_seconds", "Time from request to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("onecopy_inter_token_latency_seconds", "Time between consecutive tokens of a request",
@@ -47,6 +47,12 @@ class ServerMetrics:
             lambda: len(cache) if cache is not None else 0)
         Gauge("onecopy_device_memory_used_bytes", "Device memory in use (device-level)", registry=r).set_function(
             lambda: _device_used(engine))
+        blocks = engine.runner.blocks
+        if blocks is not None:  # paged KV: blocks by who reads them (shared: a prompt held once for several sessions)
+            kv = Gauge("onecopy_kv_blocks", "KV blocks: shared (2+ sessions), private, cached (no session, evictable), "
+                       "free", ["kind"], registry=r)
+            for kind in ("shared", "private", "cached", "free"):
+                kv.labels(kind).set_function(lambda kind=kind: 0 if engine.closed else blocks.usage()[kind])
 
     def observe(self, stream: "TokenStream", reused: int) -> None:
         """Count a finished generation."""
