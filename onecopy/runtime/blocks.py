@@ -16,11 +16,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ..bundle import TensorSpec, parse_dtype
+from ..bundle import TensorSpec
 from ..errors import SessionCapacityError
+from .pool import carve
 from .prefix import PrefixIndex
-
-_ALIGN = 256  # bytes; every tensor as aligned as a separate cudaMalloc would be
 
 
 class KVBlocks:
@@ -31,16 +30,7 @@ class KVBlocks:
         self.blocks, self.rows, self.width, self.block_size, self.device = blocks, rows, width, block_size, device
         self.scratch = blocks
         self.block_bytes = sum(s.nbytes for s in specs.values())
-        offsets, size = {}, 0
-        for fqn in sorted(specs):
-            size = -(-size // _ALIGN) * _ALIGN
-            offsets[fqn] = size
-            size += (blocks + 1) * specs[fqn].nbytes
-        self.buffer = torch.zeros(max(size, 1), dtype=torch.uint8, device=device)
-        self.tensors: dict[str, torch.Tensor] = {}
-        for fqn, spec in specs.items():
-            start, n = offsets[fqn], (blocks + 1) * spec.nbytes
-            self.tensors[fqn] = self.buffer[start:start + n].view(parse_dtype(spec.dtype)).view(blocks + 1, *spec.shape)
+        self.buffer, self.tensors = carve(specs, blocks + 1, device)
         self.table = torch.full((rows + 1, width), self.scratch, dtype=torch.long, device=device)
         self.owned: list[list[int]] = [[] for _ in range(rows + 1)]  # each row's blocks, in table order
         self.refs = [0] * blocks

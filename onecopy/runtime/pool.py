@@ -18,6 +18,21 @@ from ..errors import InputError
 _ALIGN = 256  # bytes; keeps every pool tensor as aligned as a separate cudaMalloc would
 
 
+def carve(specs: dict[str, TensorSpec], count: int, device: torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One zeroed buffer and, per FQN, a [count, *spec.shape] tensor carved from it (manifest order)."""
+    offsets, size = {}, 0
+    for fqn in sorted(specs):
+        size = -(-size // _ALIGN) * _ALIGN
+        offsets[fqn] = size
+        size += count * specs[fqn].nbytes
+    buffer = torch.zeros(max(size, 1), dtype=torch.uint8, device=device)
+    tensors = {}
+    for fqn, spec in specs.items():  # manifest order: the order methods take them in
+        start, n = offsets[fqn], count * spec.nbytes
+        tensors[fqn] = buffer[start:start + n].view(parse_dtype(spec.dtype)).view(count, *spec.shape)
+    return buffer, tensors
+
+
 class StatePool:
     """Pool tensors [rows + 1, *shape] per state FQN, carved from one buffer, and the free rows."""
 
@@ -27,16 +42,7 @@ class StatePool:
                 raise InputError(f"state {fqn!r} has init rule {spec.init!r}; this onecopy knows 'zeros'")
         self.rows, self.scratch, self.device = rows, rows, device
         self.row_bytes = sum(s.nbytes for s in specs.values())
-        offsets, size = {}, 0
-        for fqn in sorted(specs):
-            size = -(-size // _ALIGN) * _ALIGN
-            offsets[fqn] = size
-            size += (rows + 1) * specs[fqn].nbytes
-        self.buffer = torch.zeros(max(size, 1), dtype=torch.uint8, device=device)
-        self.tensors: dict[str, torch.Tensor] = {}
-        for fqn, spec in specs.items():  # manifest order: the order methods take them in
-            start, n = offsets[fqn], (rows + 1) * spec.nbytes
-            self.tensors[fqn] = self.buffer[start:start + n].view(parse_dtype(spec.dtype)).view(rows + 1, *spec.shape)
+        self.buffer, self.tensors = carve(specs, rows + 1, device)
         self._free = list(range(rows))  # a heap: the lowest free row is handed out first
 
     @property
