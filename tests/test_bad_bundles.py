@@ -67,6 +67,18 @@ def unknown_format_version(b):
     _write_manifest(b, m)
 
 
+def paged_without_block_size(b):
+    m = _manifest(b)
+    m["kv_block_size"] = None  # the state says paged, the manifest no longer says how many positions a block holds
+    _write_manifest(b, m)
+
+
+def methods_disagree_on_paging(b):
+    m = _manifest(b)
+    m["methods"]["decode"]["paged"] = False  # would be called without the block table it was compiled to take
+    _write_manifest(b, m)
+
+
 def truncated_manifest(b):
     text = (b / "manifest.json").read_text()
     (b / "manifest.json").write_text(text[: len(text) // 2])
@@ -148,6 +160,8 @@ CASES = [
     (wrong_shape, onecopy.WeightSpecError, r"'norm.weight' is F32\[63\] .* expects float32\[64\]"),
     (unknown_format_version, onecopy.UnsupportedFormatVersionError, r"version 99 is not supported .* export the model again"),
     (truncated_manifest, onecopy.ManifestError, r"not valid JSON .* truncated"),
+    (paged_without_block_size, onecopy.ManifestError, r"is paged but kv_block_size is None.*export the bundle again"),
+    (methods_disagree_on_paging, onecopy.ManifestError, r"methods disagree with the state on whether the KV cache is paged"),
     (missing_field, onecopy.ManifestError, r"lacks or mangles a required field .*methods"),
     (wrong_device_kind, onecopy.DeviceMismatchError, r"compiled for 'cuda' but you asked for 'cpu'.*--device cpu"),
     (other_torch_release, onecopy.TorchVersionMismatchError, r"compiled by torch 2.9.1\+cu128 but this is torch .* export the bundle again"),  # noqa: E501
