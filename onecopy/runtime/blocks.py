@@ -158,11 +158,6 @@ class KVBlocks:
         return {"shared": shared, "private": private, "cached": cached, "free": len(self._free),
                 "references": sum(refs)}
 
-    def clear_cache(self) -> None:
-        """Forget every cached prefix (blocks no session holds become free)."""
-        if self.index is not None:
-            self._free.extend(self.index.clear())
-
     def release_memory(self) -> None:
         self.buffer.untyped_storage().resize_(0)
         self.table.untyped_storage().resize_(0)

@@ -34,15 +34,8 @@ class PrefixIndex:
         return block in self._key_of
 
     @property
-    def published(self) -> int:
-        return len(self._key_of)
-
-    @property
     def evictable(self) -> int:
         return len(self._lru)
-
-    def is_evictable(self, block: int) -> bool:
-        return block in self._lru
 
     def lookup(self, tokens: Sequence[int], touch: bool = True) -> list[int]:
         """The published blocks holding the longest block-aligned prefix of ``tokens``, in order.
@@ -115,13 +108,4 @@ class PrefixIndex:
             stack.extend(self._children.pop(b, ()))
             if self._lru.pop(b, 0) is None:
                 freed.append(b)
-        return freed
-
-    def clear(self) -> list[int]:
-        """Unpublish everything; returns the evictable blocks (now free)."""
-        freed = list(self._lru)
-        self._by_key.clear()
-        self._key_of.clear()
-        self._children.clear()
-        self._lru.clear()
         return freed
