@@ -35,6 +35,11 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, 
               "BOOL": torch.bool}
 
 
+def table_width(max_seq_len: int, kv_block_size: int) -> int:
+    """Blocks in one session's block table: enough for max_seq_len + 1 positions (one spare, as a row has)."""
+    return -(-(max_seq_len + 1) // kv_block_size)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -149,7 +154,7 @@ class Manifest:
     @property
     def table_width(self) -> int:
         """Blocks in one session's block table (0 without paged state): max_seq_len + 1 positions."""
-        return -(-(self.max_seq_len + 1) // self.kv_block_size) if self.kv_block_size else 0
+        return table_width(self.max_seq_len, self.kv_block_size) if self.kv_block_size else 0
 
     def fingerprint(self) -> str:
         """Identity of the model a session state belongs to (config, weight hashes, state layout)."""

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..bundle import InputSpec
+from ..bundle import InputSpec, table_width
 from . import invariant
 from .invariant import invariant_method
 
@@ -51,10 +51,6 @@ class PooledModel(nn.Module):
         """(the block table, the pools) of a paged method's trailing inputs; (None, pools) otherwise."""
         return (pools[0], pools[1:]) if self.kv_block else (None, pools)
 
-    def table_width(self) -> int:
-        """Blocks one session's table holds: enough for max_seq_len + 1 positions."""
-        return -(-(self.max_seq_len + 1) // self.kv_block)
-
     def prefill_inputs(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The prefill inputs before ``rows`` for a chunk of one session (override to add some)."""
         return tokens, input_pos
@@ -62,7 +58,7 @@ class PooledModel(nn.Module):
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         """Eager: feed ``tokens[1, T]`` at ``input_pos[T]`` to the module's own single session."""
         if self._eager_state is None:
-            n = self.table_width() if self.kv_block else 1  # paged: one session's blocks, in table order
+            n = table_width(self.max_seq_len, self.kv_block) if self.kv_block else 1  # paged: one session's blocks
             self._eager_state = [torch.zeros(n, *shape, dtype=dtype, device=tokens.device)
                                  for shape, dtype in self.state_specs().values()]
             if self.kv_block:
@@ -113,7 +109,7 @@ def pooled_methods(specs: dict[str, tuple[list[int], torch.dtype]], max_seq_len:
     pools, pool_dims = example_pools(specs, fqns, device)
     table, table_dims = (), ()
     if kv_block:
-        table, table_dims, n_blocks = example_table(EXAMPLE_POOL_ROWS, -(-(max_seq_len + 1) // kv_block), device)
+        table, table_dims, n_blocks = example_table(EXAMPLE_POOL_ROWS, table_width(max_seq_len, kv_block), device)
         blocks = torch.export.Dim("kv_blocks", min=2, max=1 << 24)
         pools = tuple(torch.zeros(n_blocks, *specs[f][0], dtype=specs[f][1], device=device) for f in fqns)
         pool_dims = tuple({0: blocks} for _ in fqns)
