@@ -47,6 +47,12 @@ def default_reserve(device: torch.device) -> int:
     return 1 << 30
 
 
+def gpu_room(device: torch.device, memory_fraction: float, reserve: int) -> int:
+    """Bytes the state may take on a GPU: ``memory_fraction`` of it after what is in use and ``reserve``."""
+    free, total = torch.cuda.mem_get_info(device)
+    return min(free, int(total * memory_fraction) - (total - free)) - reserve
+
+
 def size_pool(row_bytes: int, device: torch.device, *, max_sessions: int | None, memory_budget: int | None,
               memory_fraction: float, reserve: int) -> tuple[int, str]:
     """How many session rows the pool gets, and why (said in the memory report).
@@ -58,8 +64,7 @@ def size_pool(row_bytes: int, device: torch.device, *, max_sessions: int | None,
     """
     per = row_bytes or 1
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        room = min(free, int(total * memory_fraction) - (total - free)) - reserve
+        room = gpu_room(device, memory_fraction, reserve)
         where = f"{memory_fraction:.2f} of device memory after what is in use and a {reserve / 2**20:,.0f} MiB reserve"
     else:
         room = available_bytes(device) - reserve
@@ -103,8 +108,7 @@ def size_blocks(rows: int, why: str, manifest: Manifest, fixed_row_bytes: int, d
             raise InputError(f"kv_blocks must be >= 1, got {kv_blocks}")
         return rows, kv_blocks, f"{why}; kv_blocks={kv_blocks}"
     if device.type == "cuda" and not sized_by_user:
-        free, total = torch.cuda.mem_get_info(device)
-        room = min(free, int(total * memory_fraction) - (total - free)) - reserve
+        room = gpu_room(device, memory_fraction, reserve)
         rows = CUDA_MAX_SESSIONS
         blocks = (room - (rows + 1) * fixed_row_bytes) // block_bytes - 1
         if blocks < width:
@@ -594,10 +598,10 @@ class Engine:
         req = Request(0, ids, params, stop, session, own_session=session is None, keep_session=keep_session,
                       encode_inputs=encode_inputs)
         blocks = self.runner.blocks
-        if blocks is not None and blocks.blocks_for(self._request_span(req, start)) > blocks.blocks:
-            need = blocks.blocks_for(self._request_span(req, start))
+        span = self._request_span(req, start) if blocks is not None else 0
+        if blocks is not None and blocks.blocks_for(span) > blocks.blocks:
             raise SessionCapacityError(
-                f"the request may write {self._request_span(req, start)} positions ({need} KV blocks of "
+                f"the request may write {span} positions ({blocks.blocks_for(span)} KV blocks of "
                 f"{blocks.block_size}) and the whole KV cache has {blocks.blocks} blocks; ask for fewer max_new_tokens "
                 "or a shorter prompt, or load the engine with more kv_blocks")
         return self.loop.submit(req)
