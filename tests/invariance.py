@@ -46,12 +46,12 @@ def decode_placed(engine, state: dict[str, torch.Tensor], token: int, position: 
     if paged:  # every row's blocks at shuffled places, the session's among them
         width, bs = m.table_width, m.kv_block_size
         blocks = KVBlocks({f: m.state[f] for f in paged}, pool_rows * width, pool_rows, width, bs, engine.device, False)
-        order = torch.randperm(pool_rows * width, generator=g)
-        blocks.table[:pool_rows] = order.view(pool_rows, width).to(engine.device)
-        mine = blocks.table[row]
-        for f, t in blocks.tensors.items():
+        order = torch.randperm(pool_rows * width, generator=g).view(pool_rows, width)
+        blocks.table[:pool_rows] = order.to(engine.device)
+        blocks.owned[:pool_rows] = order.tolist()
+        for t in blocks.tensors.values():
             t.copy_((0.1 * torch.randn(t.shape, generator=g)).to(t.dtype))
-            t[mine] = state[f].reshape(t.shape[1], width, bs, *t.shape[3:]).transpose(0, 1)
+        blocks.write(row, {f: state[f] for f in paged})
         pools = [blocks.table, *[blocks.tensors[f] for f in method.spec.state]]
     step = DecodeStep(method, pool, pools, Workspace(), buckets=default_buckets(pool_rows),
                       one_row_per_call=runs_one_row_per_call(method.spec, engine.deterministic))
@@ -63,9 +63,7 @@ def decode_placed(engine, state: dict[str, torch.Tensor], token: int, position: 
     logits = step(batch, positions.tolist(), tokens.to(engine.device))
     after = {f: p[row].clone() for f, p in pool.tensors.items()}
     if blocks is not None:
-        mine = blocks.table[row]
-        for f, t in blocks.tensors.items():
-            after[f] = t[mine].transpose(0, 1).reshape(state[f].shape).clone()
+        after.update(blocks.gather(row))
     return logits[i].clone(), after
 
 

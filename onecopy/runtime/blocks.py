@@ -138,6 +138,10 @@ class KVBlocks:
     def scatter(self, row: int, state: dict[str, torch.Tensor], positions: int) -> None:
         """Write the logical state of `gather` into the row's blocks (taken for ``positions`` first)."""
         self.prepare(row, 0, positions)
+        self.write(row, state)
+
+    def write(self, row: int, state: dict[str, torch.Tensor]) -> None:
+        """Write the logical state of `gather` into the blocks the row holds (as many as it holds)."""
         have = torch.tensor(self.owned[row], device=self.device)
         for fqn, t in self.tensors.items():
             src = state[fqn].to(t.device).reshape(t.shape[1], self.width, self.block_size, *t.shape[3:]).transpose(0, 1)
