@@ -6,7 +6,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
+from pathlib import Path
 
 import httpx
 import openai
@@ -222,8 +224,12 @@ def _ray_processes():
 
 
 def test_cli_serves_replicas_drains_on_sigterm_and_leaves_no_ray_process(cluster, tiny_bundle):
+    ray_dir = cluster._ray_dir  # the local cluster's session files: its own temp dir, not /tmp/ray
+    assert ray_dir is not None and Path(ray_dir).is_dir()
     cluster.stop()  # the module's cluster goes first: this test starts its own through the CLI
     assert wait_until(lambda: not _ray_processes(), timeout=60), _ray_processes()
+    assert not Path(ray_dir).exists()
+    before = _ray_dirs()
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "onecopy.cli", "serve", "--bundle", str(tiny_bundle), "--replicas", "2",
                              "--port", str(port), "--max-sessions", "2", "--model-name", "tiny", "--grace", "20"],
@@ -243,6 +249,11 @@ def test_cli_serves_replicas_drains_on_sigterm_and_leaves_no_ray_process(cluster
         if proc.poll() is None:
             proc.kill()
     assert wait_until(lambda: not _ray_processes(), timeout=60), _ray_processes()
+    assert _ray_dirs() == before  # the CLI's cluster removed its files too
+
+
+def _ray_dirs():
+    return set(Path(tempfile.gettempdir()).glob("onecopy-ray-*"))
 
 
 def _up(url):

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 
@@ -57,6 +59,7 @@ class ReplicatedServer:
         self.spec, self.replicas, self.ray_address = spec, replicas, ray_address
         self.host, self.port, self.grace_s, self.num_cpus = host, port, grace_s, num_cpus
         self._started_ray = self._running = False
+        self._ray_dir: str | None = None  # the local cluster's session files, removed when it stops
         self._on_signal = None  # serve_forever's: a signal drains, whenever it comes
 
     @property
@@ -69,8 +72,15 @@ class ReplicatedServer:
             os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
             if self.ray_address is None:  # a local cluster, ours to stop
                 cpus = self.num_cpus or max(os.cpu_count() or 1, self.replicas + 1)
-                ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False,
-                         logging_level=logging.WARNING)
+                # Its own temp dir, not /tmp/ray: the cluster is ours, so are its files (gone at stop).
+                self._ray_dir = tempfile.mkdtemp(prefix="onecopy-ray-")
+                try:
+                    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False,
+                             logging_level=logging.WARNING, _temp_dir=self._ray_dir)
+                except BaseException:
+                    shutil.rmtree(self._ray_dir, ignore_errors=True)
+                    self._ray_dir = None
+                    raise
                 self._started_ray = True
             else:
                 ray.init(address=self.ray_address, log_to_driver=False, logging_level=logging.WARNING)
@@ -104,6 +114,9 @@ class ReplicatedServer:
             if self._started_ray:
                 ray.shutdown()
                 self._started_ray = False
+            if self._ray_dir is not None:
+                shutil.rmtree(self._ray_dir, ignore_errors=True)
+                self._ray_dir = None
 
     def __enter__(self) -> "ReplicatedServer":
         return self.start()
