@@ -66,3 +66,11 @@ def test_log_level_info_says_how_the_engine_was_set_up_and_default_is_quiet(tiny
     assert "onecopy.loop DEBUG request 0 finished: length" in r.stderr
     r = onecopy(*args)
     assert r.returncode == 0 and "onecopy." not in r.stderr
+
+
+def test_a_bad_kv_block_is_refused_before_any_export(tmp_path):
+    r = onecopy("export", "tiny-llama", "--out", str(tmp_path / "b"), "--kv-block", "sixteen")
+    assert r.returncode == 2 and "onecopy: error: --kv-block takes a power of two or 'none', got 'sixteen'" in r.stderr
+    r = onecopy("export", "tiny-llama", "--out", str(tmp_path / "b"), "--kv-block", "24")
+    assert r.returncode == 2 and "kv_block=24 must be a power of two in 1..4096 (--kv-block)" in r.stderr
+    assert not (tmp_path / "b").exists()
