@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 
 from .decode import launch_decode, launch_decode_paged
-from .linear import Norm, launch_linear
+from .linear import Norm, PackedArgs, launch_linear
 from .prefill import launch_prefill, launch_prefill_paged
-from .tiles import SMALL_LINEAR_ROWS, prefill_tiles, small_linear_tiles
+from .tiles import SMALL_LINEAR_ROWS, packed_linear_tiles, prefill_tiles, small_linear_tiles
 
 
 def available() -> bool:
@@ -103,6 +103,21 @@ def _define_ops() -> None:
         n_out = weight.shape[0] // 2 if glu else weight.shape[0]
         return launch_linear(x, weight, residual, glu, small_linear_tiles(n_out, glu, invariant), norm, block_m)
 
+    @triton_op("onecopy::packed_linear", mutates_args=())
+    def packed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                      layout: int, group: int, residual: torch.Tensor | None, glu: bool,
+                      norm_weight: torch.Tensor | None, norm_ss: torch.Tensor | None, eps: float, block_m: int,
+                      invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """`small_linear` of a packed weight (models.packed: values ``qweight``, float32 ``scales`` and
+        ``mins`` per ``group`` values, ``layout`` its LAYOUT_IDS number), each tile dequantized as read:
+        bit for bit `small_linear` of the dequantized weight in x's dtype, given the same tiles."""
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        residual = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
+        norm = None if norm_weight is None or norm_ss is None else (norm_weight, norm_ss.contiguous(), eps)
+        n_out = qweight.shape[0] // 2 if glu else qweight.shape[0]
+        tiles = small_linear_tiles(n_out, glu, True) if invariant else packed_linear_tiles(n_out, glu, layout)
+        return launch_linear(x, qweight, residual, glu, tiles, norm, block_m, (scales, mins, layout, group))
+
 
 if available():
     _define_ops()
@@ -150,13 +165,19 @@ def paged_decode_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
                  glu: bool = False, norm: Norm | None = None, block_m: int = SMALL_LINEAR_ROWS,
-                 invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 invariant: bool = False, packed: PackedArgs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """See the op: ``x`` [M, K] through ``weight`` [N, K] in one kernel (CUDA only; batch-invariant),
     with RMSNorm before it (``norm``: its weight, the partial sums of squares of ``x``'s rows [M, P] that
     the kernel producing ``x`` returned, eps) and SwiGLU or a residual add after it. Returns the output
     [M, N'] and its rows' partial sums of squares [M, `small_linear_programs`] (fp32), for a norm after.
     ``block_m`` rows per program: `SMALL_LINEAR_ROWS` (fastest for a few rows) or `INVARIANT_ROWS`;
     ``invariant``: the tiles of the batch-invariant decode (one BLOCK_N and BLOCK_K for both).
-    Callable inside a ``torch.cond`` branch: the op was defined at import."""
+    ``packed`` (scales, mins, layout number, group): ``weight`` is a packed weight's values, read packed
+    (`packed_linear`; its tiles `packed_linear_tiles` whatever ``block_m``, so both row blocks give a
+    row the same bits). Callable inside a ``torch.cond`` branch: the op was defined at import."""
     nw, ss, eps = norm if norm is not None else (None, None, 0.0)
+    if packed is not None:
+        scales, mins, layout, group = packed
+        return torch.ops.onecopy.packed_linear(x, weight, scales, mins, layout, group, residual, glu, nw, ss, eps,
+                                               block_m, invariant)
     return torch.ops.onecopy.small_linear(x, weight, residual, glu, nw, ss, eps, block_m, invariant)

@@ -55,6 +55,18 @@ def small_linear_tiles(n_out: int, glu: bool, invariant: bool = False) -> tuple[
     return (64, 128, 4, 3)
 
 
+def packed_linear_tiles(n_out: int, glu: bool, layout: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) of the packed-weight small linear (`ops.packed_linear`), the same for
+    16- and 64-row programs (so that a row's bits do not depend on them). The fastest at one row on the
+    H100 per Llama-3-8B projection (benchmarks/packed_gemv_cuda.py, benchmarks/results/packed_gemv_h100.json):
+    the kernel is bound by the dequantization's arithmetic, not by bytes, so short rows of programs."""
+    if glu:
+        return (32, 256 if layout in (2, 3) else 128, 4, 3)
+    if n_out <= 8192:
+        return (32, 512, 4, 4)
+    return (64, 256, 4, 4)
+
+
 def n_splits(max_seq_len: int) -> int:
     """Programs per (row, KV head): one per SPLIT_MAX positions of the cache (block-rounded when shorter)."""
     return -(-max_seq_len // min(SPLIT_MAX, -(-max_seq_len // BLOCK_N) * BLOCK_N))

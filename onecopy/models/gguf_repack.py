@@ -43,11 +43,12 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import InputError
+from . import packed as pk
 
 Q = GGMLQuantizationType
-LAYOUTS = ("q8s", "q4z", "q4a", "q8a")
-_NIBBLES = ("q4z", "q4a")  # two values per byte
-_AFFINE = ("q4a", "q8a")  # s * q + m
+LAYOUTS = tuple(pk.LAYOUTS)
+_NIBBLES = tuple(k for k, (per_byte, _) in pk.LAYOUTS.items() if per_byte == 2)  # two values per byte
+_AFFINE = tuple(k for k, (_, affine) in pk.LAYOUTS.items() if affine)  # s * q + m
 
 
 @dataclass
@@ -72,6 +73,10 @@ class PackedWeight:
         if not ok:
             raise ValueError(f"inconsistent PackedWeight: layout {self.layout}, shape {self.shape}, group {self.group}, "
                              f"qweight {tuple(self.qweight.shape)}, scales {tuple(self.scales.shape)}")
+
+    def packed(self) -> pk.Packed:
+        """The weight as a model layer holds it (`models.packed`), rows flattened to [N, K]."""
+        return pk.Packed(self.layout, self.group, self.qweight, self.scales, self.mins)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -174,21 +179,9 @@ def repack(qtype: GGMLQuantizationType | int | str, raw: np.ndarray | bytes, sha
 
 
 def dequantize(p: PackedWeight) -> torch.Tensor:
-    """The float32 weight, bit for bit what gguf.quants.dequantize gives for the bytes `p` came from."""
-    k, rows = p.shape[-1], math.prod(p.shape[:-1])
-    q = p.qweight
-    if p.layout in _NIBBLES:
-        q = torch.stack((q & 0x0F, q >> 4), dim=-1)  # low nibble first: k = 2i, then 2i + 1
-    q = q.reshape(rows, k // p.group, p.group).to(torch.float32)
-    s = p.scales.reshape(rows, k // p.group, 1)
-    if p.layout == "q4z":
-        w = s * (q - 8.0)  # exact small integers; 8 - 8 is +0.0, as gguf's int8 0 is
-    elif p.layout == "q8s":
-        w = s * q
-    else:
-        assert p.mins is not None
-        w = s * q + p.mins.reshape(rows, k // p.group, 1)  # two ops, as gguf; s * q is exact, so FMA agrees
-    return w.reshape(p.shape)
+    """The float32 weight, bit for bit what gguf.quants.dequantize gives for the bytes `p` came from
+    (`models.packed.dequantize`, the very function the exported graphs run)."""
+    return pk.dequantize(p.packed()).reshape(p.shape)
 
 
 def packed_bytes(p: PackedWeight) -> int:

@@ -25,6 +25,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from .. import kernels
+from .packed import Weight, flatten, kernel_linear
 
 
 def available(device: str | torch.device) -> bool:
@@ -32,17 +33,19 @@ def available(device: str | torch.device) -> bool:
     return torch.device(device).type == "cuda" and kernels.available()
 
 
-def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` whose every output row depends on its input row alone (see the module docstring)."""
+def linear_rows(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` whose every output row depends on its input row alone (see the module docstring);
+    a packed ``weight`` is read packed."""
     if not (x.is_cuda and kernels.available()):
         raise RuntimeError("the batch-invariant linear is a CUDA kernel (Triton); on CPU run the decode one row per call")
     rows = x.reshape(-1, x.shape[-1])
+    flat, unflatten = flatten([weight])
 
     def few(block_m: int):
-        return lambda r, w: kernels.small_linear(r, w, block_m=block_m, invariant=True)[0]
+        return lambda r, *w: kernel_linear(r, unflatten(w)[0], block_m=block_m, invariant=True)[0]
 
     y = torch.cond(rows.shape[0] <= kernels.SMALL_LINEAR_ROWS, few(kernels.SMALL_LINEAR_ROWS),
-                   few(kernels.INVARIANT_ROWS), (rows, weight))
+                   few(kernels.INVARIANT_ROWS), (rows, *flat))
     y = y.reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
 

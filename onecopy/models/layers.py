@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .packed import Weight, matmul
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in transformers' op order (normalize in fp32, scale in the model dtype)."""
@@ -109,14 +111,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim
 
 # ----------------------------------------------------------------------------------------------- MLP
 
-def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """``w2 @ (silu(gate) * up)`` with gate and up the halves of ``x @ w13.T`` (w13 [2I, dim], w2 [dim, I]).
+def swiglu(x: torch.Tensor, w13: Weight, w2: Weight) -> torch.Tensor:
+    """``w2 @ (silu(gate) * up)`` with gate and up the halves of ``x @ w13.T`` (w13 [2I, dim], w2 [dim, I]),
+    float or packed (`packed.matmul`).
 
     A function of its weights, so that a ``torch.cond`` branch can take them as operands (`projections`).
     """
     hidden = w2.shape[1]
-    gate, up = F.linear(x, w13).split([hidden, hidden], dim=-1)
-    return F.linear(F.silu(gate) * up, w2)
+    gate, up = matmul(x, w13).split([hidden, hidden], dim=-1)
+    return matmul(F.silu(gate) * up, w2)
 
 
 class FeedForward(nn.Module):

@@ -23,7 +23,8 @@ from .. import kernels
 from .attention import Step, attend_pooled
 from .base import MethodDef, PooledModel, as_method, pooled_methods
 from .layers import FeedForward, RMSNorm, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
-from .projections import by_rows, fused_decode, linear, sum_of_squares
+from .packed import flatten, kernel_linear, matmul
+from .projections import by_rows, fused_decode, kernel_rows, linear, sum_of_squares
 
 
 @dataclass
@@ -126,19 +127,26 @@ class Block(nn.Module):
                 y = kernels.decode_attention_rope(qkv, cos[:, 0, 0], sin[:, 0, 0], k_pool, v_pool, step.rows,
                                                   step.input_pos).flatten(1)
         dim = x.shape[1]
+        weights = [attn.wo.weight, ffn.w13.weight, ffn.w2.weight]
+        flat, unflatten = flatten(weights)
 
-        def rest_few(y, x, wo, g, w13, w2):
-            h, ss_h = kernels.small_linear(y, wo, residual=x)
-            return kernels.small_linear(kernels.small_linear(h, w13, glu=True, norm=(g, ss_h, eps))[0], w2, residual=h)
+        def rest_kernels(block_m: int):
+            def rest(y, x, g, *flat):
+                wo, w13, w2 = unflatten(flat)
+                h, ss_h = kernel_linear(y, wo, residual=x, block_m=block_m)
+                up = kernel_linear(h, w13, glu=True, norm=(g, ss_h, eps), block_m=block_m)[0]
+                return kernel_linear(up, w2, residual=h, block_m=block_m)
+            return rest
 
-        def rest_many(y, x, wo, g, w13, w2):
+        def rest_many(y, x, g, wo, w13, w2):
             h = x + F.linear(y, wo)
             out = h + swiglu(rms_norm(h, g, eps), w13, w2)  # FeedForward's ops on the branch's operands
             # Same outputs as the few-rows branch; the sums are unused here (the norms recompute them).
             return out, out.new_empty((out.shape[0], kernels.small_linear_programs(dim, False)), dtype=torch.float32)
 
-        weights = (attn.wo.weight, self.ffn_norm.weight, ffn.w13.weight, ffn.w2.weight)
-        return by_rows(n, rest_few, rest_many, (y, x, *weights))
+        if kernel_rows(weights):  # packed: the kernel for any number of rows (`projections.kernel_rows`)
+            return rest_kernels(kernels.SMALL_LINEAR_ROWS)(y, x, self.ffn_norm.weight, *flat)
+        return by_rows(n, rest_kernels(kernels.SMALL_LINEAR_ROWS), rest_many, (y, x, self.ffn_norm.weight, *flat))
 
 
 class Transformer(PooledModel):
@@ -197,7 +205,7 @@ class Transformer(PooledModel):
             return linear(self.norm(x), w)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, step, pools[2 * i], pools[2 * i + 1])
-        return F.linear(self.norm(x[:, -1, :]), w)
+        return matmul(self.norm(x[:, -1, :]), w)
 
     def decode(self, tokens: torch.Tensor, input_pos: torch.Tensor, rows: torch.Tensor,
                *pools: torch.Tensor) -> torch.Tensor:

@@ -8,11 +8,13 @@ benchmarks/norm_fold_cuda.py). It serves up to `kernels.SMALL_LINEAR_ROWS` rows;
 batches keep cuBLAS and Inductor's fusions. The choice is a ``torch.cond`` on the batch size, which
 the exported method evaluates on the host: each batch size's CUDA graph holds only its branch.
 A batch-invariant decode (traced under `invariant.BatchInvariant`) takes none of this: its linears
-are `invariant.linear_rows`, its norms apart.
+are `invariant.linear_rows`, its norms apart. A packed (quantized) weight (`packed`) takes the kernel
+for any number of rows (`kernel_rows`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from .. import kernels
 from . import invariant
 from .layers import rms_norm
+from .packed import Packed, Weight, flatten, kernel_linear
 
 
 def fused_decode(x: torch.Tensor, decode: bool) -> bool:
@@ -41,24 +44,38 @@ def by_rows(rows: int | torch.SymInt, few: Callable[..., Any], many: Callable[..
     return torch.cond(rows <= kernels.SMALL_LINEAR_ROWS, few, many, operands)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
            norm: kernels.Norm | None = None) -> torch.Tensor:
     """``F.linear`` of a decode step's rows [B, K]: the small-linear kernel for a few, cuBLAS for more.
 
     ``norm`` = (weight, partial sums of squares of x's rows, eps): an RMSNorm of ``x`` first, folded
     into the kernel for a few rows (see `kernels.small_linear`), `layers.rms_norm` for more.
+    A packed ``weight`` takes the kernel for any number of rows (`kernel_rows`).
     """
     nw, ss, eps = norm if norm is not None else (None, None, 0.0)
+    wt, unflatten = flatten([weight])
 
-    def few(x: torch.Tensor, w: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
-        y = kernels.small_linear(x, w, norm=(rest[0], rest[1], eps) if norm is not None else None)[0]
+    def few(x: torch.Tensor, *rest: torch.Tensor, block_m: int = kernels.SMALL_LINEAR_ROWS) -> torch.Tensor:
+        w, rest = unflatten(rest[:len(wt)])[0], rest[len(wt):]
+        y = kernel_linear(x, w, norm=(rest[0], rest[1], eps) if norm is not None else None, block_m=block_m)[0]
         return y + rest[-1] if bias is not None else y
 
-    def many(x: torch.Tensor, w: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+    def many(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        w, rest = rest[0], rest[1:]
         return F.linear(rms_norm(x, rest[0], eps) if norm is not None else x, w, rest[-1] if bias is not None else None)
 
-    operands = (x, weight) + ((nw, ss) if norm is not None else ()) + ((bias,) if bias is not None else ())
+    operands = (x, *wt) + ((nw, ss) if norm is not None else ()) + ((bias,) if bias is not None else ())
+    if isinstance(weight, Packed):
+        return few(*operands)
     return by_rows(x.shape[0], few, many, operands)
+
+
+def kernel_rows(weights: Sequence[Weight]) -> bool:
+    """True when a decode step of any number of rows takes the small-linear kernel for these weights
+    (no cuBLAS branch): when any is packed. Dequantizing for cuBLAS would write and read the weight in
+    bf16 every step; the kernel runs them in 16-row programs, a row block's weight tiles shared through
+    L2 (a branch per row count returned partial sums whose symbolic strides ``torch.cond`` refuses)."""
+    return any(isinstance(w, Packed) for w in weights)
 
 
 def sum_of_squares(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,224 @@
+"""Quantized weights kept packed in the model: the operand a layer hands its matmul, and the layers that hold one.
+
+A packed weight [N, K] is ``qweight`` (int8/uint8 values, two 4-bit values per byte for the nibble
+layouts), ``scales`` and, for the affine layouts, ``mins`` (float32 [N, K / group]); `LAYOUTS` lists
+the four layouts and their arithmetic (the GGUF repack, `gguf_repack`, and the export-time
+quantizer, `quantize`, both produce them). A layer that holds one (`PackedLinear`, `PackedEmbedding`)
+keeps the three tensors as buffers, so that export lifts them as constants under FQNs of their own
+(``<module>.qweight``, ``.scales``, ``.mins``) and the weight store holds them at their packed size.
+
+`matmul` is how every projection reads its weight, float or packed: a packed one is dequantized in
+the graph and multiplied (CPU, CUDA prefill); a CUDA decode step instead reads it packed inside the
+small-linear kernel (`projections`, `kernels.small_linear`), which dequantizes each tile as it goes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import kernels
+
+# layout -> (values per byte, affine): value = s * q (q8s), s * (q - 8) (q4z), s * q + m (q4a, q8a)
+LAYOUTS: dict[str, tuple[int, bool]] = {"q8s": (1, False), "q4z": (2, False), "q4a": (2, True), "q8a": (1, True)}
+# Each layout's number in the kernels' LAYOUT constexpr (0 is a float weight).
+LAYOUT_IDS = {"q8s": 1, "q4z": 2, "q4a": 3, "q8a": 4}
+GROUPS = (16, 32, 64, 128)  # values per scale the kernels read (a power of two, at most one K tile)
+PACKED_PARTS = ("qweight", "scales", "mins")  # the buffers a packed layer holds, in this order
+
+
+class Packed(NamedTuple):
+    """A packed weight as a layer hands it to `matmul` (tensors on the model's device). A named tuple:
+    traced code (export, ``torch.cond`` branches) builds and reads it like any tuple."""
+
+    layout: str
+    group: int
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None = None
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[-1] * LAYOUTS[self.layout][0]
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors, for a ``torch.cond`` operand list (`rebuild` turns them back)."""
+        return (self.qweight, self.scales) if self.mins is None else (self.qweight, self.scales, self.mins)
+
+    def rebuild(self, tensors: tuple[torch.Tensor, ...]) -> "Packed":
+        return Packed(self.layout, self.group, tensors[0], tensors[1], tensors[2] if len(tensors) > 2 else None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+Weight = torch.Tensor | Packed  # what a projection reads: a float matrix or a packed one
+
+
+def dequantize(w: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float weight [N, K] in ``dtype``: computed in float32 (s * q exact, one rounding at + m), then
+    rounded once to ``dtype``; for a GGUF tensor the float32 is bit for bit gguf's dequantization
+    (`gguf_repack`). Traceable: the CPU and prefill graphs dequantize with it."""
+    n, k = w.shape
+    q = w.qweight
+    if LAYOUTS[w.layout][0] == 2:
+        q = torch.stack((q & 0x0F, q >> 4), dim=-1)  # low nibble first: k = 2i, then 2i + 1
+    q = q.reshape(n, k // w.group, w.group).to(torch.float32)
+    s = w.scales.reshape(n, k // w.group, 1)
+    if w.layout == "q4z":
+        out = s * (q - 8.0)  # exact small integers; 8 - 8 is +0.0, as gguf's int8 0 is
+    elif w.layout == "q8s":
+        out = s * q
+    else:
+        assert w.mins is not None
+        out = s * q + w.mins.reshape(n, k // w.group, 1)  # two ops, as gguf; s * q is exact, so an FMA agrees
+    return out.reshape(n, k).to(dtype)
+
+
+def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` for a float or a packed weight: dequantized in the graph (in x's dtype),
+    except in a batch-invariant CUDA decode, which reads it packed (`invariant.linear_rows`)."""
+    if not isinstance(w, Packed):
+        return F.linear(x, w, bias)
+    from . import invariant  # here, not at the top: invariant reads weights through `kernel_linear`
+
+    if invariant.active():
+        return invariant.linear_rows(x, w, bias)
+    return F.linear(x, dequantize(w, x.dtype), bias)
+
+
+def kernel_linear(x: torch.Tensor, w: Weight, **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernels.small_linear` (same ``options``) of a float or a packed weight, the packed one read as it
+    is stored (CUDA only)."""
+    if isinstance(w, Packed):
+        options["packed"] = (w.scales, w.mins, LAYOUT_IDS[w.layout], w.group)
+        w = w.qweight
+    return kernels.small_linear(x, w, **options)
+
+
+def flatten(weights: Sequence[Weight | None]) -> tuple[tuple[torch.Tensor, ...], Callable[[Sequence[torch.Tensor]], list]]:
+    """The tensors of ``weights`` (float, packed or None) for a ``torch.cond`` operand list, and the
+    function that turns such a list back into the weights. That function closes over layouts, groups
+    and counts only: a cond branch must not close over tensors (export would lift them behind the
+    store's back)."""
+    specs = [None if w is None else (w.layout, w.group, len(w.tensors())) if isinstance(w, Packed) else "float"
+             for w in weights]
+    flat = tuple(t for w in weights if w is not None for t in (w.tensors() if isinstance(w, Packed) else (w,)))
+
+    def unflatten(tensors: Sequence[torch.Tensor]) -> list:
+        out, i = [], 0
+        for spec in specs:
+            if spec is None:
+                out.append(None)
+            elif spec == "float":
+                out.append(tensors[i])
+                i += 1
+            else:
+                layout, group, n = spec
+                out.append(Packed(layout, group, *tensors[i:i + n]))
+                i += n
+        return out
+
+    return flat, unflatten
+
+
+def check_packed(layout: str, group: int, shape: tuple[int, int], qweight: torch.Tensor, scales: torch.Tensor,
+                 mins: torch.Tensor | None) -> None:
+    """Raise ValueError unless the tensors are a consistent ``layout`` weight of float shape ``shape``."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown weight layout {layout!r}; this onecopy reads {', '.join(LAYOUTS)}")
+    per_byte, affine = LAYOUTS[layout]
+    n, k = shape
+    want_q = torch.int8 if layout == "q8s" else torch.uint8
+    ok = (group in GROUPS and k % group == 0 and k % per_byte == 0 and qweight.dtype == want_q
+          and tuple(qweight.shape) == (n, k // per_byte) and scales.dtype == torch.float32
+          and tuple(scales.shape) == (n, k // group) and (mins is not None) == affine
+          and (mins is None or (mins.dtype == torch.float32 and mins.shape == scales.shape)))
+    if not ok:
+        raise ValueError(f"a {layout} weight of shape {list(shape)}, group {group} needs qweight {want_q} "
+                         f"{[n, k // per_byte]} and float32 scales{' and mins' if affine else ''} {[n, k // group]}; "
+                         f"got qweight {qweight.dtype} {list(qweight.shape)}, scales {scales.dtype} {list(scales.shape)}"
+                         f"{'' if mins is None else f', mins {list(mins.shape)}'} (groups: {GROUPS})")
+
+
+class _PackedLayer(nn.Module):
+    def __init__(self, w: Packed) -> None:
+        super().__init__()
+        check_packed(w.layout, w.group, w.shape, w.qweight, w.scales, w.mins)
+        self.layout, self.group = w.layout, w.group
+        self.register_buffer("qweight", w.qweight)
+        self.register_buffer("scales", w.scales)
+        self.register_buffer("mins", w.mins)  # None for the symmetric layouts: not in the state dict
+
+    @property
+    def weight(self) -> Packed:
+        """The packed weight, where a float layer's callers read ``.weight``."""
+        return Packed(self.layout, self.group, self.qweight, self.scales, self.mins)
+
+    def extra_repr(self) -> str:
+        n, k = self.weight.shape
+        return f"{k} -> {n}, {self.layout}, group {self.group}"
+
+
+class PackedLinear(_PackedLayer):
+    """An ``nn.Linear`` whose weight stays packed (its bias, if any, stays a float parameter)."""
+
+    def __init__(self, w: Packed, bias: torch.Tensor | None = None) -> None:
+        super().__init__(w)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return matmul(x, self.weight, self.bias)
+
+
+class PackedEmbedding(_PackedLayer):
+    """An ``nn.Embedding`` whose table stays packed: only the looked-up rows are dequantized. ``dtype``:
+    the model's (the rows' dtype)."""
+
+    def __init__(self, w: Packed, dtype: torch.dtype) -> None:
+        super().__init__(w)
+        self.dtype = dtype
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        flat = tokens.reshape(-1)
+        w = self.weight
+        rows = Packed(w.layout, w.group, w.qweight[flat], w.scales[flat], None if w.mins is None else w.mins[flat])
+        return dequantize(rows, self.dtype).reshape(*tokens.shape, -1)
+
+
+def as_float_weights(weights: dict[str, torch.Tensor], packed: dict[str, dict[str, Any]],
+                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``weights`` (FQN -> tensor) with each packed layer (a manifest's ``packed``) dequantized to
+    ``<layer>.weight`` in ``dtype``: what a float model of the same values loads (benchmark peers)."""
+    out = dict(weights)
+    for name, p in packed.items():
+        parts = [out.pop(f"{name}.{part}", None) for part in PACKED_PARTS]
+        out[f"{name}.weight"] = dequantize(Packed(p["layout"], p["group"], *parts), dtype)
+    return out
+
+
+def packed_bytes(shape: tuple[int, int], layout: str, group: int) -> int:
+    """Device bytes of a ``layout`` weight of float ``shape``: values, float32 scales and mins."""
+    n, k = shape
+    per_byte, affine = LAYOUTS[layout]
+    return n * k // per_byte + (2 if affine else 1) * 4 * n * (k // group)
+
+
+def describe(layout: str, group: int, shape: tuple[int, ...]) -> str:
+    """``q4a g32 0.75 B/value`` for messages and `onecopy info`."""
+    n, k = shape[0], math.prod(shape[1:])
+    return f"{layout} g{group} {packed_bytes((n, k), layout, group) / (n * k):.3g} B/value"
