@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from .errors import (BundleNotFoundError, CoverageError, DeviceMismatchError, ManifestError, TorchVersionMismatchError,
-                     UnsupportedFormatVersionError, WeightsCorruptError, WeightSpecError)
+                     UnknownWeightLayoutError, UnsupportedFormatVersionError, WeightsCorruptError, WeightSpecError)
+from .models.packed import LAYOUTS, PACKED_PARTS, check_packed
 
 FORMAT = "onecopy-bundle"
 FORMAT_VERSION = 3  # 3: KV state may be paged (blocks + a block table); 2: state is a pool with a row per session
@@ -145,6 +146,9 @@ class Manifest:
     weights_file: str = WEIGHTS
     format_version: int = FORMAT_VERSION
     kv_block_size: int | None = None  # positions per KV block when state is paged
+    # layers whose weight is packed (quantized): name -> {layout, group, shape [N, K], source}; their
+    # tensors are the weights <name>.qweight, .scales and (affine layouts) .mins (models.packed)
+    packed: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def paged_state(self) -> list[str]:
@@ -170,7 +174,8 @@ class Manifest:
              "weights": {k: vars(v) for k, v in self.weights.items()},
              "state": {k: vars(v) for k, v in self.state.items()},
              "methods": {k: {**vars(m), "inputs": [vars(i) for i in m.inputs]} for k, m in self.methods.items()},
-             "tokenizer": self.tokenizer, "generation": self.generation, "kv_block_size": self.kv_block_size}
+             "tokenizer": self.tokenizer, "generation": self.generation, "kv_block_size": self.kv_block_size,
+             "packed": self.packed}
         return json.dumps(d, indent=1)
 
     @classmethod
@@ -202,13 +207,36 @@ class Manifest:
                 raise ValueError(f"kv_block_size={block!r} but no state is paged")
             if any(m.paged != bool(paged) for m in methods.values()):
                 raise ValueError("methods disagree with the state on whether the KV cache is paged")
+            weights = {k: TensorSpec(**v) for k, v in d["weights"].items()}
+            packed = d.get("packed") or {}
+            _check_packed(packed, weights, where)
             return cls(family=d["family"], config=d["config"], max_seq_len=int(d["max_seq_len"]), dtype=d["dtype"],
-                       device_kind=d["device_kind"], methods=methods,
-                       weights={k: TensorSpec(**v) for k, v in d["weights"].items()},
+                       device_kind=d["device_kind"], methods=methods, weights=weights, packed=packed,
                        state=state, tokenizer=d["tokenizer"], generation=d["generation"], build=d.get("build", {}),
                        weights_file=d.get("weights_file", WEIGHTS), format_version=version, kv_block_size=block)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ManifestError(f"{where} lacks or mangles a required field ({e!r}); export the bundle again") from e
+
+
+def _check_packed(packed: dict[str, dict[str, Any]], weights: dict[str, TensorSpec], where: Path) -> None:
+    """Every packed layer's layout is one this onecopy reads and its tensors are in the weights, shaped
+    as the layout says; else UnknownWeightLayoutError (a newer layout) or ManifestError."""
+    for name, p in packed.items():
+        layout = p.get("layout")
+        if layout not in LAYOUTS:
+            raise UnknownWeightLayoutError(
+                f"{where}: layer {name!r} has weight layout {layout!r}, which this onecopy cannot read (it reads "
+                f"{', '.join(LAYOUTS)}); run it with the onecopy release that exported it, or export the model again")
+        parts = {part: weights.get(f"{name}.{part}") for part in PACKED_PARTS}
+        if parts["mins"] is None:
+            parts.pop("mins")
+        try:
+            if parts["qweight"] is None or parts["scales"] is None:
+                raise ValueError(f"its tensors {name}.qweight / {name}.scales are not among the weights")
+            meta = {k: torch.empty(v.shape, dtype=parse_dtype(v.dtype), device="meta") for k, v in parts.items()}
+            check_packed(layout, int(p["group"]), tuple(p["shape"]), meta["qweight"], meta["scales"], meta.get("mins"))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ManifestError(f"{where}: packed layer {name!r} does not match its weights ({e}); export again") from e
 
 
 @dataclass

@@ -131,9 +131,10 @@ def _cmd_bench_decode(a: argparse.Namespace) -> int:
 
     if not torch.cuda.is_available():
         raise OnecopyError("onecopy bench compares batch-1 generation on a CUDA GPU, and none is visible")
-    bundle = Path(a.bundle) if a.bundle else Path(a.work) / f"{Path(a.source).name}-msl{a.max_seq_len}"
+    packing = f"-{a.quantize}-g{a.group_size}" if a.quantize else ""
+    bundle = Path(a.bundle) if a.bundle else Path(a.work) / f"{Path(a.source).name}-msl{a.max_seq_len}{packing}"
     res = bench_decode(a.source, bundle, prompt_lens=[int(x) for x in a.prompt_lens.split(",")],
-                       max_seq_len=a.max_seq_len, new_tokens=a.new_tokens,
+                       max_seq_len=a.max_seq_len, new_tokens=a.new_tokens, quantize=a.quantize, group_size=a.group_size,
                        peers=[p for p in a.peers.split(",") if p], out_dir=Path(a.out_dir), tag=a.tag,
                        command="onecopy " + " ".join(sys.argv[1:]))
     print_table(res)
@@ -148,13 +149,14 @@ def _cmd_export(a: argparse.Namespace) -> int:
     except ValueError:
         raise OnecopyError(f"--kv-block takes a power of two or 'none', got {a.kv_block!r}") from None
     out = export(a.source, a.out, max_seq_len=a.max_seq_len, dtype=a.dtype, device=a.device,
-                 methods=tuple(a.methods.split(",")) if a.methods else None, overwrite=a.overwrite, kv_block=kv_block)
+                 methods=tuple(a.methods.split(",")) if a.methods else None, overwrite=a.overwrite, kv_block=kv_block,
+                 dequantize=a.dequantize, quantize=a.quantize, group_size=a.group_size)
     print(f"wrote {out}")
     return 0
 
 
 def _cmd_info(a: argparse.Namespace) -> int:
-    from .bundle import read_manifest
+    from .bundle import parse_dtype, read_manifest
     from .runtime.engine import gpu_reserve
 
     m = read_manifest(Path(a.bundle))
@@ -173,6 +175,19 @@ def _cmd_info(a: argparse.Namespace) -> int:
         print(f"method        {name:<8} weights={spec.weights:<8} role={spec.role:<7}{invariant} "
               f"constants={len(spec.constants)} state={len(spec.state)}  inputs: {shapes}")
     print(f"weights       {len(m.weights)} tensors, {weight_bytes / 2**20:,.1f} MiB (held once on the device)")
+    if m.packed:
+        kinds: dict[str, list[int]] = {}
+        for name, p in m.packed.items():
+            key = f"{p['layout']} g{p['group']}" + (f" from {p['source']}" if p.get("source") else "")
+            floats = p["shape"][0] * p["shape"][1]
+            held = sum(m.weights[f"{name}.{part}"].nbytes for part in ("qweight", "scales", "mins")
+                       if f"{name}.{part}" in m.weights)
+            acc = kinds.setdefault(key, [0, 0, 0])
+            acc[0], acc[1], acc[2] = acc[0] + 1, acc[1] + held, acc[2] + floats
+        itemsize = parse_dtype(m.dtype).itemsize
+        for key, (n, held, floats) in sorted(kinds.items()):
+            print(f"packed        {n} layers {key}: {held / 2**20:,.1f} MiB for {floats / 1e6:,.1f} M values "
+                  f"({held / floats:.3g} B/value; {m.dtype} would take {floats * itemsize / 2**20:,.1f} MiB)")
     print(f"state         {len(m.state)} tensors, {state_bytes / 2**20:,.1f} MiB per session at max_seq_len")
     if paged:
         block = sum(m.state[k].nbytes for k in paged)
@@ -232,6 +247,16 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--kv-block", default="16",
                    help="positions per KV block (paged KV, what the prefix cache shares; default 16), or 'none': "
                         "a row of max_seq_len positions per session")
+    keep = e.add_mutually_exclusive_group()
+    keep.add_argument("--dequantize", action="store_true", default=None,
+                      help="store a quantized GGUF's weights as floats (the default for --device cpu)")
+    keep.add_argument("--keep-quantized", dest="dequantize", action="store_false",
+                      help="keep a quantized GGUF's weights packed at their size (the default for --device cuda; "
+                           "on CPU each call dequantizes them: less memory, slower decode)")
+    e.add_argument("--quantize", choices=["int8", "int4"],
+                   help="quantize a float checkpoint's projections: int8 symmetric or int4 asymmetric, per group")
+    e.add_argument("--group-size", type=int, default=128, choices=[16, 32, 64, 128],
+                   help="values per scale with --quantize (default 128)")
     e.set_defaults(fn=_cmd_export)
 
     t = sub.add_parser("transcribe", help="transcribe WAV files as concurrent sessions (default: the embedded "
@@ -277,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--bundle", help="bundle directory: reused if present, else exported there")
     b.add_argument("--work", default="/tmp/onecopy-bench", help="where bundles are exported when --bundle is not given")
     b.add_argument("--prompt-lens", default="128,1024,8192")
+    b.add_argument("--quantize", choices=["int8", "int4"], help="export onecopy's bundle with packed projections "
+                   "(the peers keep bf16: the same run compares them)")
+    b.add_argument("--group-size", type=int, default=128, choices=[16, 32, 64, 128])
     b.add_argument("--max-seq-len", type=int, default=16384)
     b.add_argument("--new-tokens", type=int, default=256)
     b.add_argument("--peers", default="torch.compile,transformers", help="comma-separated; empty for none")

@@ -27,6 +27,10 @@ class ManifestError(BundleError):
     """manifest.json is unreadable, truncated or lacks required fields."""
 
 
+class UnknownWeightLayoutError(ManifestError):
+    """A packed weight's layout is not one this runtime reads (a newer onecopy wrote it)."""
+
+
 class UnsupportedFormatVersionError(BundleError):
     """The bundle's format version is not one this runtime reads."""
 

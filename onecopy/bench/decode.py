@@ -45,9 +45,9 @@ def floor_bytes(weights: dict[str, Any], cfg: LlamaConfig, context: int) -> tupl
     """(weight bytes a decode step reads, KV bytes it reads at ``context`` filled positions)."""
     nbytes = {k: v.numel() * v.element_size() for k, v in weights.items()}
     w = sum(nbytes.values())
-    if not cfg.tie_embeddings:
-        w -= nbytes["tok_embeddings.weight"]  # gathered one row, not read
-    itemsize = weights["norm.weight"].element_size()
+    if not cfg.tie_embeddings:  # gathered one row, not read (float, or packed from a GGUF)
+        w -= sum(n for f, n in nbytes.items() if f.startswith("tok_embeddings."))
+    itemsize = weights["norm.weight"].element_size()  # the model dtype (the KV's)
     kv = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * itemsize * context
     return w, kv
 
@@ -104,9 +104,11 @@ def decode_step_ms(engine, session, steps: int = 100, warmup: int = 5) -> float:
 
 
 def bench_decode(source: str, bundle: Path, *, prompt_lens: list[int], max_seq_len: int, new_tokens: int,
-                 peers: list[str], out_dir: Path, tag: str, command: str) -> dict[str, Any]:
+                 peers: list[str], out_dir: Path, tag: str, command: str, quantize: str | None = None,
+                 group_size: int = 128) -> dict[str, Any]:
     from .. import export
     from ..bundle import read_manifest
+    from ..models.packed import as_float_weights
     from ..runtime.engine import Engine
     from .peers import CompiledPeer, TransformersPeer
 
@@ -119,7 +121,8 @@ def bench_decode(source: str, bundle: Path, *, prompt_lens: list[int], max_seq_l
         (out_dir / f"{stem}.json").write_text(json.dumps(res, indent=1))
     if not (bundle / "manifest.json").is_file():
         t0 = time.perf_counter()
-        export(source, bundle, max_seq_len=max_seq_len, device="cuda", overwrite=True, progress=False)
+        export(source, bundle, max_seq_len=max_seq_len, device="cuda", overwrite=True, progress=False,
+               quantize=quantize, group_size=group_size)
         res["onecopy_export_s"] = round(time.perf_counter() - t0, 1)
         import gc
 
@@ -140,8 +143,9 @@ def bench_decode(source: str, bundle: Path, *, prompt_lens: list[int], max_seq_l
         engine = Engine.load(bundle, "cuda", max_sessions=1, prefill_chunk=max_seq_len)
     res["onecopy_load_s"] = round(time.perf_counter() - t0, 1)
     weights = engine.weights.as_map(engine.manifest.weights)
+    res["quantize"] = engine.manifest.packed and (quantize or "gguf")
     res["weights"] = {"total_bytes": sum(t.nbytes for t in weights.values()),
-                      "embedding_bytes": weights["tok_embeddings.weight"].nbytes,
+                      "embedding_bytes": sum(t.nbytes for f, t in weights.items() if f.startswith("tok_embeddings.")),
                       "tied_embeddings": cfg.tie_embeddings}
     run_onecopy(engine, prompts[prompt_lens[0]][:16], 8)  # warm-up
     for n in prompt_lens:
@@ -153,11 +157,13 @@ def bench_decode(source: str, bundle: Path, *, prompt_lens: list[int], max_seq_l
                                 graph_share_of_floor=round(f / graph_ms, 3), **fb))
         print(res["rows"][-1], file=sys.stderr, flush=True)
         save()
+    # The peers run a float model: of packed weights, their values dequantized (the same model).
+    peer_weights = as_float_weights(weights, engine.manifest.packed, weights["norm.weight"].dtype)
     for name in peers:
         try:
             t0 = time.perf_counter()
-            peer = CompiledPeer(weights, cfg, max_seq_len) if name == "torch.compile" else \
-                TransformersPeer(weights, cfg, max_seq_len)
+            peer = CompiledPeer(peer_weights, cfg, max_seq_len) if name == "torch.compile" else \
+                TransformersPeer(peer_weights, cfg, max_seq_len)
             peer.generate(prompts[prompt_lens[0]], 4)  # compiles (prefill shapes recompile per length: warmed below)
             res[f"{name}_compile_s"] = round(time.perf_counter() - t0, 1)
             for n in prompt_lens:

@@ -16,6 +16,8 @@ from ..bundle import (FORMAT_VERSION, MANIFEST, TOKENIZER, WEIGHTS, Manifest, Me
                       sha256, sha256_many, tensor_view)
 from ..errors import ExportError
 from ..models.base import MethodDef
+from ..models.packed import GROUPS
+from ..models.quantize import DEFAULT_GROUP, QUANTIZE_MODES, pack_gguf, packed_layers, quantize_model
 from ..models.source import ModelSource, resolve_source
 from .toolchain import pick_cxx
 
@@ -55,7 +57,8 @@ class _Progress:
 def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_len: int | None = None,
            dtype: torch.dtype | str | None = None, device: str = "cpu", methods: Sequence[str] | None = None,
            embed_weights: Sequence[str] = (), overwrite: bool = False, progress: bool = True,
-           kv_block: int | None = DEFAULT_KV_BLOCK) -> Path:
+           kv_block: int | None = DEFAULT_KV_BLOCK, dequantize: bool | None = None, quantize: str | None = None,
+           group_size: int = DEFAULT_GROUP) -> Path:
     """Export ``source`` into a bundle at ``out_dir`` and return its path.
 
     ``max_seq_len`` defaults to the family's natural bound (Llama: min(2048, the model's context);
@@ -67,6 +70,12 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
     place only when complete, so a failed export leaves nothing behind.
     ``kv_block``: positions per KV block (paged KV, what the prefix cache shares; Llama family); None
     keeps one row of max_seq_len positions per session. Families without paged KV ignore it.
+    A GGUF source's quantized tensors stay packed (`models.quantize.pack_gguf`) unless ``dequantize``;
+    by default (None) they stay packed for CUDA, where the decode kernels read them packed, and are
+    stored as floats for the CPU, where a dequantization per call made SmolLM2's decode 2.7x slower
+    than float weights (136 vs 51 ms/token on 2 cores): pass False to keep them packed there too.
+    ``quantize`` ("int8" or "int4", with ``group_size`` values per scale) packs a float model's
+    projections (`models.quantize.quantize_model`). The manifest records each packed layer's layout.
     """
     out = Path(out_dir)
     if out.exists() and not overwrite:
@@ -93,7 +102,18 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
         if not 1 <= max_seq_len <= (bound if src.family == "whisper" else 1 << 20):
             raise ExportError(f"max_seq_len={max_seq_len} is out of range for {src.name}; "
                               f"use 1..{bound} (--max-seq-len)")
+        if dequantize is None:
+            dequantize = device == "cpu"
+        if quantize is not None and src.packed and not dequantize:
+            raise ExportError(f"{src.name} is already quantized ({_gguf_types(src)}) and stays so; to quantize it "
+                              f"again to {quantize}, pass dequantize=True too (--dequantize)")
+        if quantize is not None and quantize not in QUANTIZE_MODES:
+            raise ExportError(f"quantize={quantize!r} is not supported; use {' or '.join(QUANTIZE_MODES)} (--quantize)")
+        if quantize is not None and group_size not in GROUPS:
+            raise ExportError(f"group size {group_size} is not supported; use one of {', '.join(map(str, GROUPS))} "
+                              "(--group-size)")
         model = src.build(max_seq_len, dtype, device)
+        sources = _pack(model, src, dequantize, quantize, group_size, progress)
         if hasattr(model, "paged_state"):  # the families whose KV can be paged
             model.kv_block = kv_block
         available = model.export_methods(max_seq_len, device)
@@ -122,7 +142,7 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
             specs[name] = _compile_method(ep, available[name], name, tmp, cxx, name in embed_weights, writes)
             bar.done()
         bar.step("write bundle")
-        _write_bundle(tmp, src, model, specs, max_seq_len, dtype, device, cxx)
+        _write_bundle(tmp, src, model, specs, max_seq_len, dtype, device, cxx, sources)
         bar.done()
         if out.exists():
             shutil.rmtree(out)
@@ -135,6 +155,25 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
         raise
     finally:
         bar.close()
+
+
+def _gguf_types(src: ModelSource) -> str:
+    return ", ".join(sorted({p.qtype for p in src.packed.values()}))
+
+
+def _pack(model: torch.nn.Module, src: ModelSource, dequantize: bool, quantize: str | None, group_size: int,
+          progress: bool) -> dict[str, str]:
+    """Put the packed layers in place (see `export`); returns layer -> where its packing came from."""
+    if quantize is not None:
+        quantize_model(model, quantize, group_size)
+        return {name: f"{quantize} rtn" for name in packed_layers(model)}
+    if not src.packed or dequantize:
+        return {}
+    sources, kept_float = pack_gguf(model, src.packed)
+    if kept_float and progress:
+        print(f"kept float (their GGUF parts differ in type): {', '.join(kept_float[:4])}"
+              f"{' ...' if len(kept_float) > 4 else ''}", file=sys.stderr)
+    return sources
 
 
 def _export_method(method: MethodDef, name: str, declared: set[str]) -> tuple[torch.export.ExportedProgram, set[str]]:
@@ -188,7 +227,7 @@ def _compile_method(ep: torch.export.ExportedProgram, method: MethodDef, name: s
 
 
 def _write_bundle(tmp: Path, src: ModelSource, model: torch.nn.Module, specs: dict[str, MethodSpec], max_seq_len: int,
-                  dtype: torch.dtype, device: str, cxx: str) -> None:
+                  dtype: torch.dtype, device: str, cxx: str, sources: dict[str, str]) -> None:
     from safetensors.torch import save_file
 
     tensors = model.state_dict()  # tied weights appear once: the models reuse the embedding, no alias FQN
@@ -210,5 +249,6 @@ def _write_bundle(tmp: Path, src: ModelSource, model: torch.nn.Module, specs: di
         generation={"eos_token_ids": src.eos_token_ids, "chat_template": src.chat_template, **src.generation},
         build={"source": src.name, "torch": torch.__version__, "cxx": cxx,
                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
-        format_version=FORMAT_VERSION, kv_block_size=getattr(model, "kv_block", None) if paged else None)
+        format_version=FORMAT_VERSION, kv_block_size=getattr(model, "kv_block", None) if paged else None,
+        packed=packed_layers(model, sources))
     (tmp / MANIFEST).write_text(manifest.to_json())

@@ -1,4 +1,6 @@
-"""GGUF files (llama.cpp): dequantize with the `gguf` package into HF-named tensors, and rebuild the tokenizer."""
+"""GGUF files (llama.cpp): dequantize with the `gguf` package into HF-named tensors (and repack the quantized
+ones losslessly, `gguf_repack`, for the layers that keep them packed: `quantize.pack_gguf`), and rebuild the
+tokenizer."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import numpy as np
 import torch
 
 from ..errors import ModelSourceError
+from . import gguf_repack
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -17,6 +20,9 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
+
+_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -30,8 +36,10 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, d, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
-    """Return (HF config dict, HF-named float32 state dict, tokenizer info) of a Llama-family GGUF."""
+def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """Return (HF config dict, HF-named float32 state dict, tokenizer info, packed) of a Llama-family GGUF;
+    ``packed`` holds each tensor of a type that can stay quantized (`gguf_repack.SUPPORTED`), repacked
+    (`gguf_repack.PackedWeight`, HF name), next to its float32 dequantization in the state dict."""
     try:
         import gguf
     except ImportError as e:
@@ -56,27 +64,34 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict
         "tie_word_embeddings": "output.weight" not in names,
     }
     sd: dict[str, torch.Tensor] = {}
+    packed: dict[str, gguf_repack.PackedWeight] = {}
     for t in reader.tensors:
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        w = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)).reshape(tuple(reversed(t.shape.tolist())))
+        shape = tuple(reversed(t.shape.tolist()))
+        w = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)).reshape(shape)
+        p = gguf_repack.repack(t.tensor_type, t.data, shape) if t.tensor_type in gguf_repack.SUPPORTED else None
         parts = t.name.split(".")
         if parts[0] == "blk":
             kind = parts[2]
             if kind not in _LAYER_NAMES:
                 raise ModelSourceError(f"GGUF tensor {t.name} is not understood; unsupported model variant")
-            if arch == "llama" and kind == "attn_q":
-                w = _unpermute(w, n_head)
-            elif arch == "llama" and kind == "attn_k":
-                w = _unpermute(w, n_kv)
-            sd[f"model.layers.{parts[1]}.{_LAYER_NAMES[kind]}.{parts[3]}"] = w
-        elif t.name == "token_embd.weight":
-            sd["model.embed_tokens.weight"] = w
-        elif t.name == "output_norm.weight":
-            sd["model.norm.weight"] = w
-        elif t.name == "output.weight":
-            sd["lm_head.weight"] = w
-        elif t.name != "rope_freqs.weight":
+            heads = {"attn_q": n_head, "attn_k": n_kv}.get(kind) if arch == "llama" else None
+            if heads:  # rows only: the packed values, scales and mins move with them
+                w = _unpermute(w, heads)
+                if p is not None:
+                    p = gguf_repack.PackedWeight(p.layout, p.shape, p.group, _unpermute(p.qweight, heads),
+                                                 _unpermute(p.scales, heads),
+                                                 None if p.mins is None else _unpermute(p.mins, heads), p.qtype)
+            name = f"model.layers.{parts[1]}.{_LAYER_NAMES[kind]}.{parts[3]}"
+        elif t.name in _TOP_NAMES:
+            name = _TOP_NAMES[t.name]
+        elif t.name == "rope_freqs.weight":
+            continue
+        else:
             raise ModelSourceError(f"GGUF tensor {t.name} is not understood; unsupported model variant")
+        sd[name] = w
+        if p is not None and len(shape) == 2:
+            packed[name] = p
     if arch == "qwen2":
         config["attention_bias"] = True
     tok = {
@@ -88,7 +103,7 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "chat_template": _field(reader, "tokenizer.chat_template"),
     }
-    return config, sd, tok
+    return config, sd, tok, packed
 
 
 def tokenizer_json_from_gguf(tok: dict[str, Any]) -> str:

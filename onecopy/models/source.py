@@ -39,6 +39,9 @@ class ModelSource:
     family: str = "llama"
     generation: dict[str, Any] = field(default_factory=dict)  # family-specific defaults for the manifest
     random_seed: int | None = None  # no stored weights: drawn at build time on the target device (large presets)
+    # GGUF tensors that can stay quantized, repacked (HF names -> gguf_repack.PackedWeight); their float32
+    # dequantization is in hf_state_dict too (the references load that)
+    packed: dict[str, Any] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Weights under onecopy FQNs (Llama: fused q/k/v and gate/up; Whisper: transformers' names)."""
@@ -99,9 +102,9 @@ def embedded_default_gguf() -> Path:
 
 
 def _from_gguf(path: Path, name: str) -> ModelSource:
-    config, sd, tok = read_gguf(path)
+    config, sd, tok, packed = read_gguf(path)
     cfg = families.for_model_type(config["model_type"]).config_from_hf(config)  # the GGUF architecture
-    return ModelSource(name=name, config=cfg, hf_state_dict=sd, family=cfg.family,
+    return ModelSource(name=name, config=cfg, hf_state_dict=sd, family=cfg.family, packed=packed,
                        tokenizer_json=tokenizer_json_from_gguf(tok), eos_token_ids=[int(tok["eos_token_id"])],
                        bos_token_id=tok["bos_token_id"], chat_template=tok["chat_template"])
 

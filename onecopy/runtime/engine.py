@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..bundle import Manifest, read_bundle
+from ..bundle import Manifest, parse_dtype, read_bundle
 from ..errors import EngineClosedError, EngineFailedError, InputError, PromptTooLongError, SessionCapacityError
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
@@ -635,8 +635,13 @@ class Engine:
                       kv_free_bytes=use["free"] * b.block_bytes, kv_references=use["references"],
                       prefix_cache=self.prefix_cache, prefix_cached_tokens=self.scheduler.stats.cached_tokens)
             state_bytes += (use["shared"] + use["private"]) * b.block_bytes
+        m = self.manifest
+        packed = {f"{name}.{part}" for name in m.packed for part in ("qweight", "scales", "mins")} & set(needed)
+        packed_values = sum(p["shape"][0] * p["shape"][1] for p in m.packed.values())
         return MemoryReport(device=str(self.device), unique_weight_bytes=unique, resident_weight_bytes=resident,
                             duplicated_weight_bytes=resident - unique,
+                            packed_weight_bytes=sum(weights[f].nbytes for f in packed),
+                            packed_as_float_bytes=packed_values * parse_dtype(m.dtype).itemsize,
                             state_bytes=state_bytes,
                             sessions_open=len(self._sessions), state_bytes_per_session=self.state_bytes_per_session,
                             device_used_bytes=used - self._baseline_used, device_total_used_bytes=used,

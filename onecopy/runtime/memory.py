@@ -76,6 +76,8 @@ class MemoryReport:
     kv_references: int = 0  # block references summed over sessions (what unshared KV would take, in blocks)
     prefix_cache: bool = False
     prefix_cached_tokens: int = 0  # prompt tokens taken from the cache instead of prefilled, since load
+    packed_weight_bytes: int = 0  # of the unique weights: the packed (quantized) layers' values, scales, mins
+    packed_as_float_bytes: int = 0  # what those layers would take in the model dtype
 
     def __str__(self) -> str:
         buckets = ",".join(map(str, self.graph_buckets)) or "none"
@@ -84,6 +86,8 @@ class MemoryReport:
             ("unique weights", _mib(self.unique_weight_bytes)),
             ("resident weights", _mib(self.resident_weight_bytes)),
             ("duplicated weights", _mib(self.duplicated_weight_bytes)),
+            *([("packed weights (as float)", f"{_mib(self.packed_weight_bytes)} ({_mib(self.packed_as_float_bytes)})")]
+              if self.packed_weight_bytes else []),
             ("state pool", f"{self.pool_rows} rows + scratch, {_mib(self.pool_bytes)}"),
             ("state per session", _mib(self.state_bytes_per_session)),
             *([("KV blocks", f"{self.kv_blocks} x {self.kv_block_size} positions"),

@@ -1,0 +1,125 @@
+"""Which weights of a model stay (or become) packed, at export: GGUF blocks repacked, or float weights quantized.
+
+Two ways in, one result (`models.packed` layers in place of the float ones):
+- a GGUF source keeps its quantized tensors (`gguf_repack` layouts, lossless) unless asked to dequantize;
+- ``--quantize int8|int4`` quantizes a float model's projections round-to-nearest per group of K:
+  int8 symmetric (q8s: s = max|w| / 127), int4 asymmetric (q4a: s = (max - min) / 15, m = min).
+Only the Llama family's projections (wqkv, wo, w13, w2, the LM head) and, from GGUF, its embedding are
+packed; norms, biases and RoPE stay float. `packed_layers` is what the manifest records.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ExportError
+from .packed import GROUPS, LAYOUTS, Packed, PackedEmbedding, PackedLinear
+
+QUANTIZE_MODES = {"int8": "q8s", "int4": "q4a"}  # --quantize -> layout
+DEFAULT_GROUP = 128
+
+
+def quantize_weight(w: torch.Tensor, mode: str, group: int = DEFAULT_GROUP) -> Packed:
+    """Round-to-nearest quantization of a float weight [N, K] per ``group`` values along K (on its device)."""
+    if mode not in QUANTIZE_MODES:
+        raise ExportError(f"quantize={mode!r} is not supported; use {' or '.join(QUANTIZE_MODES)} (--quantize)")
+    n, k = w.shape
+    if group not in GROUPS or k % group:
+        raise ExportError(f"group size {group} does not divide a weight's {k} inputs or is not one of {GROUPS} "
+                          "(--group-size)")
+    g = w.detach().float().reshape(n, k // group, group)
+    if mode == "int8":
+        s = g.abs().amax(-1) / 127
+        q = torch.round(g / torch.where(s > 0, s, 1.0)[..., None]).clamp(-127, 127).to(torch.int8)
+        return Packed("q8s", group, q.reshape(n, k), s.contiguous())
+    lo, hi = g.amin(-1), g.amax(-1)
+    s = (hi - lo) / 15
+    q = torch.round((g - lo[..., None]) / torch.where(s > 0, s, 1.0)[..., None]).clamp(0, 15).to(torch.uint8)
+    q = q.reshape(n, k)
+    return Packed("q4a", group, (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), s.contiguous(), lo.contiguous())
+
+
+def _projections(model: nn.Module) -> list[str]:
+    """The module names of a Llama-family model's projections, the LM head last."""
+    names = [f"layers.{i}.{n}" for i in range(len(model.layers))
+             for n in ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")]
+    return names + (["output"] if hasattr(model, "output") else [])
+
+
+def _replace(model: nn.Module, name: str, w: Packed) -> None:
+    parent, _, attr = name.rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    old = getattr(owner, attr)
+    dev = next(iter(old.parameters())).device
+    w = w.rebuild(tuple(t.to(dev) for t in w.tensors()))
+    if isinstance(old, nn.Embedding):
+        setattr(owner, attr, PackedEmbedding(w, old.weight.dtype))
+    else:
+        setattr(owner, attr, PackedLinear(w, old.bias))
+
+
+def _check_family(model: nn.Module, what: str) -> None:
+    from .llama import Transformer
+
+    if not isinstance(model, Transformer):
+        raise ExportError(f"{what} is supported for the Llama family only; {type(model).__name__} models export "
+                          "with float weights")
+
+
+def quantize_model(model: nn.Module, mode: str, group: int = DEFAULT_GROUP) -> None:
+    """Replace every projection of a Llama-family ``model`` with its ``mode`` quantization (in place)."""
+    _check_family(model, "--quantize")
+    for name in _projections(model):
+        _replace(model, name, quantize_weight(model.get_submodule(name).weight, mode, group))
+
+
+# onecopy module -> the HF tensors it fuses (layer i), for a GGUF source's packed tensors
+_GGUF_PARTS = {
+    "attention.wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "attention.wo": ("self_attn.o_proj",), "feed_forward.w13": ("mlp.gate_proj", "mlp.up_proj"),
+    "feed_forward.w2": ("mlp.down_proj",),
+}
+
+
+def pack_gguf(model: nn.Module, packed: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
+    """Replace the layers of a Llama-family ``model`` whose GGUF tensors (``packed``: HF name ->
+    `gguf_repack.PackedWeight`) stayed quantized. Returns (layer -> its GGUF type(s), the fused layers
+    kept float): a fused layer whose parts differ in layout or group (a Q4_K_M file's Q6_K v next to
+    Q4_K q and k) keeps the float weight it was built with (the export says so)."""
+    _check_family(model, "packed GGUF weights")
+    plan = {f"layers.{i}.{m}": [f"model.layers.{i}.{p}.weight" for p in parts]
+            for i in range(len(model.layers)) for m, parts in _GGUF_PARTS.items()}
+    plan["tok_embeddings"] = ["model.embed_tokens.weight"]
+    if hasattr(model, "output"):
+        plan["output"] = ["lm_head.weight"]
+    kept_float, sources = [], {}
+    for name, parts in plan.items():
+        ws = [packed.get(p) for p in parts]
+        if any(w is None for w in ws):
+            continue  # a float (or unsupported) GGUF type: the float weight stays
+        if len({(w.layout, w.group) for w in ws}) > 1:
+            kept_float.append(name)
+            continue
+        cat = [torch.cat([getattr(w, part) for w in ws]) if getattr(ws[0], part) is not None else None
+               for part in ("qweight", "scales", "mins")]
+        _replace(model, name, Packed(ws[0].layout, ws[0].group, *cat))
+        sources[name] = "+".join(dict.fromkeys(w.qtype for w in ws))
+    return sources, kept_float
+
+
+def packed_layers(model: nn.Module, source: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """What the manifest records per packed layer: layout, group, float shape [N, K] and where it came
+    from (``source``: layer -> a GGUF type or the quantization mode)."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, (PackedLinear, PackedEmbedding)):
+            w = m.weight
+            out[name] = {"layout": w.layout, "group": w.group, "shape": list(w.shape),
+                         "source": (source or {}).get(name, "")}
+    return out
+
+
+assert set(QUANTIZE_MODES.values()) <= set(LAYOUTS)
