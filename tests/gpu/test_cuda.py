@@ -219,13 +219,28 @@ def test_decode_attention_kernel_matches_float64():
         assert err < 1e-2, (b, hq, hkv, d, s, err)
 
 
+def _rope_write_attend_float64(qkv, cos, sin, kp_ref, vp_ref, rows, positions, hq, hkv):
+    """The float64 reference of the decode-with-RoPE kernels: RoPE on q and the new k of each row of
+    ``qkv`` [B, (hq + 2 hkv) D], the new k/v written into ``kp_ref``/``vp_ref`` (float64 row pools, in
+    place) at row rows[i], position positions[i], and q's attention through that position."""
+    from onecopy.models.attention import pooled_attention
+    from onecopy.models.layers import rotate_half
+
+    b, d = qkv.shape[0], qkv.shape[1] // (hq + 2 * hkv)
+    q, k, v = qkv.cpu().double().split([hq * d, hkv * d, hkv * d], dim=-1)
+    c, sn = cos.cpu().double()[:, None], sin.cpu().double()[:, None]
+    q, k, v = q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d)
+    q, k = q * c + rotate_half(q) * sn, k * c + rotate_half(k) * sn
+    for i, (r, p) in enumerate(zip(rows.tolist(), positions)):
+        kp_ref[r, :, p], vp_ref[r, :, p] = k[i], v[i]
+    return pooled_attention(q, kp_ref, vp_ref, rows.cpu(), torch.tensor(positions) + 1)
+
+
 def test_decode_attention_with_rope_and_cache_write_matches_float64():
     """The decode kernel fed the projected q/k/v rows: RoPE on q and the new k, the new k/v cached at each
     row's position (and nothing else of the pool touched), attention through that position, against
     float64 torch ops: first position, mid-block, block and split boundaries, the pool's last position."""
     from onecopy import kernels
-    from onecopy.models.attention import pooled_attention
-    from onecopy.models.layers import rotate_half
 
     torch.manual_seed(0)
     for hq, hkv, d, s, positions in [(32, 8, 128, 4097, [0, 1023, 4096]), (4, 2, 64, 300, [63, 64, 299]),
@@ -241,13 +256,7 @@ def test_decode_attention_with_rope_and_cache_write_matches_float64():
         kp_ref, vp_ref = kp.cpu().double(), vp.cpu().double()
         out = kernels.decode_attention_rope(qkv, cos, sin, kp, vp, rows, pos)
 
-        q, k, v = qkv.cpu().double().split([hq * d, hkv * d, hkv * d], dim=-1)
-        c, sn = cos.cpu().double()[:, None], sin.cpu().double()[:, None]
-        q, k, v = q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d)
-        q, k = q * c + rotate_half(q) * sn, k * c + rotate_half(k) * sn
-        for i, (r, p) in enumerate(zip(rows.tolist(), positions)):
-            kp_ref[r, :, p], vp_ref[r, :, p] = k[i], v[i]
-        ref = pooled_attention(q, kp_ref, vp_ref, rows.cpu(), pos.cpu() + 1)
+        ref = _rope_write_attend_float64(qkv, cos, sin, kp_ref, vp_ref, rows, positions, hq, hkv)
         err = float((out.cpu().double() - ref).norm() / ref.norm())
         assert out.shape == (b, hq, d) and err < 1e-2, (hq, hkv, d, s, positions, err)
         torch.testing.assert_close(kp.cpu().double(), kp_ref, rtol=0.02, atol=0.02)  # only the new k, roped
@@ -435,8 +444,6 @@ def test_paged_decode_attention_with_rope_caches_into_the_right_page(bs):
     names (the rows read back through it equal the row kernel's pools; pages no row names untouched), and
     against float64: first position, page and split boundaries, the last position."""
     from onecopy import kernels
-    from onecopy.models.attention import pooled_attention
-    from onecopy.models.layers import rotate_half
 
     torch.manual_seed(0)
     for hq, hkv, d, s, positions in [(32, 8, 128, 4096, [0, bs - 1, bs, 1023, 4095]),
@@ -461,13 +468,7 @@ def test_paged_decode_attention_with_rope_caches_into_the_right_page(bs):
         assert torch.equal(_rows_of(kpg, table), kp) and torch.equal(_rows_of(vpg, table), vp)
         assert torch.equal(kpg[spare], k_spare) and torch.equal(vpg[spare], v_spare)
 
-        q, k, v = qkv.cpu().double().split([hq * d, hkv * d, hkv * d], dim=-1)
-        c, sn = cos.cpu().double()[:, None], sin.cpu().double()[:, None]
-        q, k, v = q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d)
-        q, k = q * c + rotate_half(q) * sn, k * c + rotate_half(k) * sn
-        for i, (r, p) in enumerate(zip(rows.tolist(), positions)):
-            kp_ref[r, :, p], vp_ref[r, :, p] = k[i], v[i]
-        ref = pooled_attention(q, kp_ref, vp_ref, rows.cpu(), pos.cpu() + 1)
+        ref = _rope_write_attend_float64(qkv, cos, sin, kp_ref, vp_ref, rows, positions, hq, hkv)
         err = float((out.cpu().double() - ref).norm() / ref.norm())
         assert err < 1e-2, (hq, hkv, d, s, bs, err)
         torch.testing.assert_close(_rows_of(kpg, table).cpu().double(), kp_ref, rtol=0.02, atol=0.02)
