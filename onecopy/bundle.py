@@ -155,6 +155,10 @@ class Manifest:
         """State FQNs laid out in blocks (paged KV); the rest has a row per session."""
         return [k for k, v in self.state.items() if v.paged]
 
+    def packed_fqns(self, layer: str) -> list[str]:
+        """The weight FQNs holding packed ``layer`` (values, scales and, affine layouts, mins)."""
+        return [f for f in (f"{layer}.{part}" for part in PACKED_PARTS) if f in self.weights]
+
     @property
     def table_width(self) -> int:
         """Blocks in one session's block table (0 without paged state): max_seq_len + 1 positions."""

@@ -180,8 +180,7 @@ def _cmd_info(a: argparse.Namespace) -> int:
         for name, p in m.packed.items():
             key = f"{p['layout']} g{p['group']}" + (f" from {p['source']}" if p.get("source") else "")
             floats = p["shape"][0] * p["shape"][1]
-            held = sum(m.weights[f"{name}.{part}"].nbytes for part in ("qweight", "scales", "mins")
-                       if f"{name}.{part}" in m.weights)
+            held = sum(m.weights[f].nbytes for f in m.packed_fqns(name))
             acc = kinds.setdefault(key, [0, 0, 0])
             acc[0], acc[1], acc[2] = acc[0] + 1, acc[1] + held, acc[2] + floats
         itemsize = parse_dtype(m.dtype).itemsize

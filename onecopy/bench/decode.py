@@ -143,7 +143,7 @@ def bench_decode(source: str, bundle: Path, *, prompt_lens: list[int], max_seq_l
         engine = Engine.load(bundle, "cuda", max_sessions=1, prefill_chunk=max_seq_len)
     res["onecopy_load_s"] = round(time.perf_counter() - t0, 1)
     weights = engine.weights.as_map(engine.manifest.weights)
-    res["quantize"] = engine.manifest.packed and (quantize or "gguf")
+    res["quantize"] = (quantize or "gguf") if engine.manifest.packed else None
     res["weights"] = {"total_bytes": sum(t.nbytes for t in weights.values()),
                       "embedding_bytes": sum(t.nbytes for f, t in weights.items() if f.startswith("tok_embeddings.")),
                       "tied_embeddings": cfg.tie_embeddings}

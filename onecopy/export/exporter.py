@@ -89,6 +89,11 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
     dtype = dtype or default_dtype(device)
     if kv_block is not None and not (isinstance(kv_block, int) and 1 <= kv_block <= 4096 and kv_block & (kv_block - 1) == 0):
         raise ExportError(f"kv_block={kv_block!r} must be a power of two in 1..4096 (--kv-block), or None for rows")
+    if quantize is not None and quantize not in QUANTIZE_MODES:
+        raise ExportError(f"quantize={quantize!r} is not supported; use {' or '.join(QUANTIZE_MODES)} (--quantize)")
+    if quantize is not None and group_size not in GROUPS:
+        raise ExportError(f"group size {group_size} is not supported; use one of {', '.join(map(str, GROUPS))} "
+                          "(--group-size)")
     bar = _Progress(0, False)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -107,11 +112,6 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
         if quantize is not None and src.packed and not dequantize:
             raise ExportError(f"{src.name} is already quantized ({_gguf_types(src)}) and stays so; to quantize it "
                               f"again to {quantize}, pass dequantize=True too (--dequantize)")
-        if quantize is not None and quantize not in QUANTIZE_MODES:
-            raise ExportError(f"quantize={quantize!r} is not supported; use {' or '.join(QUANTIZE_MODES)} (--quantize)")
-        if quantize is not None and group_size not in GROUPS:
-            raise ExportError(f"group size {group_size} is not supported; use one of {', '.join(map(str, GROUPS))} "
-                              "(--group-size)")
         model = src.build(max_seq_len, dtype, device)
         sources = _pack(model, src, dequantize, quantize, group_size, progress)
         if hasattr(model, "paged_state"):  # the families whose KV can be paged

@@ -186,4 +186,4 @@ def dequantize(p: PackedWeight) -> torch.Tensor:
 
 def packed_bytes(p: PackedWeight) -> int:
     """Bytes the layout takes on a device: values, scales and mins."""
-    return sum(t.numel() * t.element_size() for t in (p.qweight, p.scales, p.mins) if t is not None)
+    return p.packed().nbytes

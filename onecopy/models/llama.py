@@ -130,13 +130,10 @@ class Block(nn.Module):
         weights = [attn.wo.weight, ffn.w13.weight, ffn.w2.weight]
         flat, unflatten = flatten(weights)
 
-        def rest_kernels(block_m: int):
-            def rest(y, x, g, *flat):
-                wo, w13, w2 = unflatten(flat)
-                h, ss_h = kernel_linear(y, wo, residual=x, block_m=block_m)
-                up = kernel_linear(h, w13, glu=True, norm=(g, ss_h, eps), block_m=block_m)[0]
-                return kernel_linear(up, w2, residual=h, block_m=block_m)
-            return rest
+        def rest_few(y, x, g, *flat):
+            wo, w13, w2 = unflatten(flat)
+            h, ss_h = kernel_linear(y, wo, residual=x)
+            return kernel_linear(kernel_linear(h, w13, glu=True, norm=(g, ss_h, eps))[0], w2, residual=h)
 
         def rest_many(y, x, g, wo, w13, w2):
             h = x + F.linear(y, wo)
@@ -144,9 +141,10 @@ class Block(nn.Module):
             # Same outputs as the few-rows branch; the sums are unused here (the norms recompute them).
             return out, out.new_empty((out.shape[0], kernels.small_linear_programs(dim, False)), dtype=torch.float32)
 
+        operands = (y, x, self.ffn_norm.weight, *flat)
         if kernel_rows(weights):  # packed: the kernel for any number of rows (`projections.kernel_rows`)
-            return rest_kernels(kernels.SMALL_LINEAR_ROWS)(y, x, self.ffn_norm.weight, *flat)
-        return by_rows(n, rest_kernels(kernels.SMALL_LINEAR_ROWS), rest_many, (y, x, self.ffn_norm.weight, *flat))
+            return rest_few(*operands)
+        return by_rows(n, rest_few, rest_many, operands)
 
 
 class Transformer(PooledModel):

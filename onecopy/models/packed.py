@@ -14,7 +14,6 @@ small-linear kernel (`projections`, `kernels.small_linear`), which dequantizes e
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -217,8 +216,3 @@ def packed_bytes(shape: tuple[int, int], layout: str, group: int) -> int:
     per_byte, affine = LAYOUTS[layout]
     return n * k // per_byte + (2 if affine else 1) * 4 * n * (k // group)
 
-
-def describe(layout: str, group: int, shape: tuple[int, ...]) -> str:
-    """``q4a g32 0.75 B/value`` for messages and `onecopy info`."""
-    n, k = shape[0], math.prod(shape[1:])
-    return f"{layout} g{group} {packed_bytes((n, k), layout, group) / (n * k):.3g} B/value"

@@ -55,9 +55,9 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
     nw, ss, eps = norm if norm is not None else (None, None, 0.0)
     wt, unflatten = flatten([weight])
 
-    def few(x: torch.Tensor, *rest: torch.Tensor, block_m: int = kernels.SMALL_LINEAR_ROWS) -> torch.Tensor:
+    def few(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
         w, rest = unflatten(rest[:len(wt)])[0], rest[len(wt):]
-        y = kernel_linear(x, w, norm=(rest[0], rest[1], eps) if norm is not None else None, block_m=block_m)[0]
+        y = kernel_linear(x, w, norm=(rest[0], rest[1], eps) if norm is not None else None)[0]
         return y + rest[-1] if bias is not None else y
 
     def many(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:

@@ -636,7 +636,7 @@ class Engine:
                       prefix_cache=self.prefix_cache, prefix_cached_tokens=self.scheduler.stats.cached_tokens)
             state_bytes += (use["shared"] + use["private"]) * b.block_bytes
         m = self.manifest
-        packed = {f"{name}.{part}" for name in m.packed for part in ("qweight", "scales", "mins")} & set(needed)
+        packed = {f for name in m.packed for f in m.packed_fqns(name)} & set(needed)
         packed_values = sum(p["shape"][0] * p["shape"][1] for p in m.packed.values())
         return MemoryReport(device=str(self.device), unique_weight_bytes=unique, resident_weight_bytes=resident,
                             duplicated_weight_bytes=resident - unique,
