@@ -109,8 +109,9 @@ def _define_ops() -> None:
                       norm_weight: torch.Tensor | None, norm_ss: torch.Tensor | None, eps: float, block_m: int,
                       invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """`small_linear` of a packed weight (models.packed: values ``qweight``, float32 ``scales`` and
-        ``mins`` per ``group`` values, ``layout`` its LAYOUT_IDS number), each tile dequantized as read:
-        bit for bit `small_linear` of the dequantized weight in x's dtype, given the same tiles."""
+        ``mins`` per ``group`` values, ``layout`` its LAYOUT_IDS number), each tile dequantized in fp32 as
+        read and rounded to x's dtype. Not bit for bit `small_linear` of the dequantized weight (measured on
+        the H100), but a row's bits depend only on the tiles and the rows per program."""
         x = x if x.stride(-1) == 1 else x.contiguous()
         residual = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
         norm = None if norm_weight is None or norm_ss is None else (norm_weight, norm_ss.contiguous(), eps)
@@ -173,8 +174,9 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor |
     ``block_m`` rows per program: `SMALL_LINEAR_ROWS` (fastest for a few rows) or `INVARIANT_ROWS`;
     ``invariant``: the tiles of the batch-invariant decode (one BLOCK_N and BLOCK_K for both).
     ``packed`` (scales, mins, layout number, group): ``weight`` is a packed weight's values, read packed
-    (`packed_linear`; its tiles `packed_linear_tiles` whatever ``block_m``, so both row blocks give a
-    row the same bits). Callable inside a ``torch.cond`` branch: the op was defined at import."""
+    (`packed_linear`; its tiles `packed_linear_tiles` whatever ``block_m``; unlike a float weight's, a
+    row's bits differ between 16- and 64-row programs, so the models run packed weights in 16-row
+    programs at every batch size). Callable inside a ``torch.cond`` branch: the op was defined at import."""
     nw, ss, eps = norm if norm is not None else (None, None, 0.0)
     if packed is not None:
         scales, mins, layout, group = packed

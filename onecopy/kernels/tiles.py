@@ -56,8 +56,8 @@ def small_linear_tiles(n_out: int, glu: bool, invariant: bool = False) -> tuple[
 
 
 def packed_linear_tiles(n_out: int, glu: bool, layout: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages) of the packed-weight small linear (`ops.packed_linear`), the same for
-    16- and 64-row programs (so that a row's bits do not depend on them). The fastest at one row on the
+    """(BLOCK_N, BLOCK_K, warps, stages) of the packed-weight small linear (`ops.packed_linear`), whatever
+    the rows per program (the models run packed weights in 16-row programs). The fastest at one row on the
     H100 per Llama-3-8B projection (benchmarks/packed_gemv_cuda.py, benchmarks/results/packed_gemv_h100.json):
     the kernel is bound by the dequantization's arithmetic, not by bytes, so short rows of programs."""
     if glu:

@@ -25,7 +25,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from .. import kernels
-from .packed import Weight, flatten, kernel_linear
+from .packed import Packed, Weight, flatten, kernel_linear
 
 
 def available(device: str | torch.device) -> bool:
@@ -44,8 +44,12 @@ def linear_rows(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = Non
     def few(block_m: int):
         return lambda r, *w: kernel_linear(r, unflatten(w)[0], block_m=block_m, invariant=True)[0]
 
-    y = torch.cond(rows.shape[0] <= kernels.SMALL_LINEAR_ROWS, few(kernels.SMALL_LINEAR_ROWS),
-                   few(kernels.INVARIANT_ROWS), (rows, *flat))
+    if isinstance(weight, Packed):  # 16-row programs at every batch size: a packed tile dequantized for a
+        # 64-row program gave a row other bits than for a 16-row one (H100, tests/gpu/test_packed_cuda.py)
+        y = few(kernels.SMALL_LINEAR_ROWS)(rows, *flat)
+    else:
+        y = torch.cond(rows.shape[0] <= kernels.SMALL_LINEAR_ROWS, few(kernels.SMALL_LINEAR_ROWS),
+                       few(kernels.INVARIANT_ROWS), (rows, *flat))
     y = y.reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
 
