@@ -219,6 +219,16 @@ def test_decode_attention_kernel_matches_float64():
         assert err < 1e-2, (b, hq, hkv, d, s, err)
 
 
+def _rope_inputs(b, hq, hkv, d, s):
+    """Random inputs of the decode-with-RoPE kernels: projected rows qkv [b, (hq + 2 hkv) d], cos and sin
+    [b, d] of random angles, row pools [b + 1, hkv, s, d] (bf16, CUDA)."""
+    qkv = torch.randn(b, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+    angles = torch.rand(b, d // 2, device="cuda") * 6.28
+    cos, sin = (f(torch.cat((angles, angles), -1)).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    kp = torch.randn(b + 1, hkv, s, d, device="cuda", dtype=torch.bfloat16)
+    return qkv, cos, sin, kp, torch.randn_like(kp)
+
+
 def _rope_write_attend_float64(qkv, cos, sin, kp_ref, vp_ref, rows, positions, hq, hkv):
     """The float64 reference of the decode-with-RoPE kernels: RoPE on q and the new k of each row of
     ``qkv`` [B, (hq + 2 hkv) D], the new k/v written into ``kp_ref``/``vp_ref`` (float64 row pools, in
@@ -246,11 +256,7 @@ def test_decode_attention_with_rope_and_cache_write_matches_float64():
     for hq, hkv, d, s, positions in [(32, 8, 128, 4097, [0, 1023, 4096]), (4, 2, 64, 300, [63, 64, 299]),
                                      (6, 6, 64, 1500, [256, 1000])]:
         b = len(positions)
-        qkv = torch.randn(b, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
-        angles = torch.rand(b, d // 2, device="cuda") * 6.28
-        cos, sin = (f(torch.cat((angles, angles), -1)).to(torch.bfloat16) for f in (torch.cos, torch.sin))
-        kp = torch.randn(b + 1, hkv, s, d, device="cuda", dtype=torch.bfloat16)
-        vp = torch.randn_like(kp)
+        qkv, cos, sin, kp, vp = _rope_inputs(b, hq, hkv, d, s)
         rows = torch.tensor(list(range(b, 0, -1)), device="cuda")  # not the identity: rows are looked up
         pos = torch.tensor(positions, device="cuda")
         kp_ref, vp_ref = kp.cpu().double(), vp.cpu().double()
@@ -449,11 +455,7 @@ def test_paged_decode_attention_with_rope_caches_into_the_right_page(bs):
     for hq, hkv, d, s, positions in [(32, 8, 128, 4096, [0, bs - 1, bs, 1023, 4095]),
                                      (6, 2, 64, 704, [63, 64, 300, 703])]:
         b = len(positions)
-        qkv = torch.randn(b, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
-        angles = torch.rand(b, d // 2, device="cuda") * 6.28
-        cos, sin = (f(torch.cat((angles, angles), -1)).to(torch.bfloat16) for f in (torch.cos, torch.sin))
-        kp = torch.randn(b + 1, hkv, s, d, device="cuda", dtype=torch.bfloat16)
-        vp = torch.randn_like(kp)
+        qkv, cos, sin, kp, vp = _rope_inputs(b, hq, hkv, d, s)
         kpg, table = _paged(kp, bs)
         vpg, _ = _paged(vp, bs, table)
         spare = torch.ones(kpg.shape[0], dtype=torch.bool, device="cuda")
