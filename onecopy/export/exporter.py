@@ -73,7 +73,8 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
     A GGUF source's quantized tensors stay packed (`models.quantize.pack_gguf`) unless ``dequantize``;
     by default (None) they stay packed for CUDA, where the decode kernels read them packed, and are
     stored as floats for the CPU, where a dequantization per call made SmolLM2's decode 2.7x slower
-    than float weights (136 vs 51 ms/token on 2 cores): pass False to keep them packed there too.
+    than float weights (138 vs 51 ms/token on 2 cores, benchmarks/results/packed_cpu_smollm2.json):
+    pass False to keep them packed there too.
     ``quantize`` ("int8" or "int4", with ``group_size`` values per scale) packs a float model's
     projections (`models.quantize.quantize_model`). The manifest records each packed layer's layout.
     """
