@@ -11,6 +11,7 @@ One module per kernel family; the models call the ops through the functions re-e
 - `linear`: the small linear of a decode step's few rows, with the RMSNorm before it and SwiGLU or a
   residual add after it folded in (`small_linear`), reading a packed (quantized) weight as well
   (``packed=``: `packed_linear`, each tile dequantized in the kernel);
+- `dequant`: a packed weight dequantized for a prefill chunk's cuBLAS GEMM (`dequantize`);
 - `tiles`: every tile table and tiling constant of the three;
 - `ops`: the op definitions (once, at import of this package, where Triton and CUDA are usable),
   `available`, and the calls above.
@@ -22,15 +23,17 @@ The ``launch_*`` functions run one kernel with explicit tiles, outside any op (t
 """
 
 from .decode import launch_decode, launch_decode_paged
+from .dequant import launch_dequantize
 from .linear import Norm, PackedArgs, launch_linear
-from .ops import (available, decode_attention, decode_attention_rope, paged_decode_attention,
+from .ops import (available, decode_attention, decode_attention_rope, dequantize, paged_decode_attention,
                   paged_decode_attention_rope, paged_prefill_attention, prefill_attention, small_linear)
 from .prefill import launch_prefill, launch_prefill_paged
 from .tiles import (BLOCK_N, INVARIANT_ROWS, PREFILL_TILES, SMALL_LINEAR_ROWS, SMEM_BUDGET, SPLIT_MAX, n_splits,
                     packed_linear_tiles, prefill_tiles, small_linear_programs, small_linear_tiles)
 
 __all__ = ["BLOCK_N", "INVARIANT_ROWS", "Norm", "PREFILL_TILES", "PackedArgs", "SMALL_LINEAR_ROWS", "SMEM_BUDGET", "SPLIT_MAX",
-           "available", "decode_attention", "decode_attention_rope", "launch_decode", "launch_decode_paged",
-           "launch_linear", "launch_prefill", "launch_prefill_paged", "n_splits", "packed_linear_tiles", "paged_decode_attention",
+           "available", "decode_attention", "decode_attention_rope", "dequantize", "launch_decode", "launch_decode_paged",
+           "launch_dequantize", "launch_linear", "launch_prefill", "launch_prefill_paged", "n_splits", "packed_linear_tiles",
+           "paged_decode_attention",
            "paged_decode_attention_rope", "paged_prefill_attention", "prefill_attention", "prefill_tiles",
            "small_linear", "small_linear_programs", "small_linear_tiles"]

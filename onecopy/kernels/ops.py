@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .decode import launch_decode, launch_decode_paged
+from .dequant import launch_dequantize
 from .linear import Norm, PackedArgs, launch_linear
 from .prefill import launch_prefill, launch_prefill_paged
 from .tiles import SMALL_LINEAR_ROWS, packed_linear_tiles, prefill_tiles, small_linear_tiles
@@ -119,6 +120,14 @@ def _define_ops() -> None:
         tiles = small_linear_tiles(n_out, glu, True) if invariant else packed_linear_tiles(n_out, glu, layout)
         return launch_linear(x, qweight, residual, glu, tiles, norm, block_m, (scales, mins, layout, group))
 
+    @triton_op("onecopy::dequantize", mutates_args=())
+    def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, layout: int, group: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+        """A packed weight (models.packed: values, float32 ``scales`` and ``mins`` per ``group`` values,
+        ``layout`` its LAYOUT_IDS number) as a [N, K] ``dtype`` matrix: `models.packed.dequantize`'s arithmetic."""
+        return launch_dequantize(qweight, scales.contiguous(), None if mins is None else mins.contiguous(), layout,
+                                 group, dtype)
+
 
 if available():
     _define_ops()
@@ -162,6 +171,12 @@ def paged_decode_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch
     """See the op: `decode_attention_rope` over a paged cache, the new k/v written at ``positions`` [B] into
     the pages that table rows rows[b] name (CUDA only)."""
     return torch.ops.onecopy.paged_decode_attention_rope(qkv, cos, sin, k_pool, v_pool, table, rows, positions + 1)
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, layout: int, group: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """See the op: a packed weight dequantized to a [N, K] ``dtype`` matrix in one kernel (CUDA only)."""
+    return torch.ops.onecopy.dequantize(qweight, scales, mins, layout, group, dtype)
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,

@@ -8,7 +8,8 @@ keeps the three tensors as buffers, so that export lifts them as constants under
 (``<module>.qweight``, ``.scales``, ``.mins``) and the weight store holds them at their packed size.
 
 `matmul` is how every projection reads its weight, float or packed: a packed one is dequantized in
-the graph and multiplied (CPU, CUDA prefill); a CUDA decode step instead reads it packed inside the
+the graph and multiplied (CPU; CUDA prefill, where one kernel writes the copy, `kernels.dequantize`);
+a CUDA decode step, and a prefill's LM head on its one row, instead read it packed inside the
 small-linear kernel (`projections`, `kernels.small_linear`), which dequantizes each tile as it goes.
 """
 
@@ -89,15 +90,24 @@ def dequantize(w: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 
 def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, bias)`` for a float or a packed weight: dequantized in the graph (in x's dtype),
-    except in a batch-invariant CUDA decode, which reads it packed (`invariant.linear_rows`)."""
+    """``F.linear(x, w, bias)`` for a float or a packed weight. A packed one is dequantized in the graph
+    (in x's dtype) for cuBLAS, on CUDA by one kernel (`kernels.dequantize`), except where few rows read
+    it: a batch-invariant CUDA decode (`invariant.linear_rows`) and, on CUDA, any product of a fixed
+    number of at most `kernels.SMALL_LINEAR_ROWS` rows (a prefill's LM head on its last position), which
+    read it packed in the small-linear kernel rather than write and read the whole matrix in x's dtype."""
     if not isinstance(w, Packed):
         return F.linear(x, w, bias)
     from . import invariant  # here, not at the top: invariant reads weights through `kernel_linear`
 
     if invariant.active():
         return invariant.linear_rows(x, w, bias)
-    return F.linear(x, dequantize(w, x.dtype), bias)
+    if not (x.is_cuda and kernels.available()):
+        return F.linear(x, dequantize(w, x.dtype), bias)
+    rows = x.reshape(-1, x.shape[-1])
+    if isinstance(rows.shape[0], int) and rows.shape[0] <= kernels.SMALL_LINEAR_ROWS:
+        y = kernel_linear(rows, w)[0].reshape(*x.shape[:-1], w.out_features)
+        return y if bias is None else y + bias
+    return F.linear(x, kernels.dequantize(w.qweight, w.scales, w.mins, LAYOUT_IDS[w.layout], w.group, x.dtype), bias)
 
 
 def kernel_linear(x: torch.Tensor, w: Weight, **options: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -74,6 +74,29 @@ def test_packed_kernel_matches_float64_of_the_dequantized_weight():
             assert torch.equal(whole[37:38], alone), name
 
 
+def test_dequantize_kernel_equals_the_torch_dequantization():
+    """The prefill's one-kernel dequantization (`kernels.dequantize`) against `models.packed.dequantize`
+    run as torch ops: every layout and group, K tails, bf16 and fp32. GGUF types bit for bit (s * q is
+    exact, so an FMA agrees); the RTN int8/int4 weights within a rounding of the output dtype (an FMA
+    rounds s * q + m once where torch rounds twice: near a zero sum, a few fp32 ulps of s * q)."""
+    from onecopy import kernels
+    from onecopy.models.packed import LAYOUT_IDS, dequantize
+
+    torch.manual_seed(0)
+    for n, k in ((4096, 4096), (1024, 576)):
+        for name, p in _packed_weights(n, k).items():
+            for dtype in (torch.bfloat16, torch.float32):
+                got = kernels.dequantize(p.qweight, p.scales, p.mins, LAYOUT_IDS[p.layout], p.group, dtype)
+                want = dequantize(p, dtype)
+                assert got.dtype == dtype and got.shape == (n, k)
+                if name.startswith(("int8", "int4")):
+                    tol = want.float().abs() * (2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -22) \
+                        + float(p.scales.abs().max()) * 2.0 ** -16
+                    assert bool(((got.float() - want.float()).abs() <= tol).all()), (name, dtype)
+                else:
+                    assert torch.equal(got, want), (name, dtype)
+
+
 @pytest.fixture(scope="module")
 def int4_cuda(tmp_path_factory):
     return onecopy.export("tiny-llama", tmp_path_factory.mktemp("b") / "int4", max_seq_len=128, device="cuda",
@@ -81,9 +104,9 @@ def int4_cuda(tmp_path_factory):
 
 
 def test_int4_bundle_on_cuda_matches_its_eager_model_and_graphs_replay_it(int4_cuda):
-    """Greedy tokens of the compiled int4 model (packed kernels in decode, dequantize + cuBLAS in
-    prefill) equal the eager model's (dequantize + F.linear everywhere), graph and eager decode alike;
-    batched sessions equal solo ones."""
+    """Greedy tokens of the compiled int4 model (packed kernels in decode and the prefill's LM head,
+    the dequantize kernel + cuBLAS in prefill) equal the eager model's (the same ops run eagerly),
+    graph and eager decode alike; batched sessions equal solo ones."""
     from onecopy.models.quantize import quantize_model
     from onecopy.models.source import resolve_source
 
