@@ -4,7 +4,8 @@ Usage (on a CUDA machine, from the repository root):
     python benchmarks/quantized_cuda.py --source llama3-8b-8l --variants bf16,int8:128,int4:128,int4:32 \
         --out benchmarks/results/quantized_llama3-8b-8l_h100.json
 
-Per variant (each exported here, then loaded alone): device weight bytes; TTFT of a 1k prompt; the
+With ``--export-only`` each variant's bundle is left in ``--work`` (run one process per variant, in
+parallel), and ``--reuse`` benchmarks those bundles. Per variant (loaded alone): device weight bytes; TTFT of a 1k prompt; the
 batch-1 decode step at 1k context (the bucket-1 CUDA graph) with its share of the honest floor (the
 bytes the step reads: packed values + scales, the filled KV, no embedding table, over the copy
 bandwidth measured in this run); the S = 64 decode step (64 sessions at 1k context, one batched
@@ -80,6 +81,8 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=64)
     ap.add_argument("--work", default="/tmp/onecopy-quant")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--export-only", action="store_true", help="export the variants' bundles into --work and stop")
+    ap.add_argument("--reuse", action="store_true", help="load bundles an --export-only run left in --work")
     a = ap.parse_args()
     src = resolve_source(a.source)
     bw = copy_bandwidth()
@@ -93,9 +96,13 @@ def main() -> None:
         quant = None if mode == "bf16" else mode
         bundle = Path(a.work) / variant.replace(":", "-g")
         t0 = time.perf_counter()
-        onecopy.export(src, bundle, max_seq_len=a.max_seq_len, device="cuda", overwrite=True, progress=False,
-                       quantize=quant, group_size=int(group or 128))
-        row = {"variant": variant, "export_s": round(time.perf_counter() - t0, 1)}
+        if not a.reuse:
+            onecopy.export(src, bundle, max_seq_len=a.max_seq_len, device="cuda", overwrite=True, progress=False,
+                           quantize=quant, group_size=int(group or 128))
+            (bundle.parent / f"{bundle.name}.export_s").write_text(f"{time.perf_counter() - t0:.1f}")
+        if a.export_only:
+            continue
+        row = {"variant": variant, "export_s": float((bundle.parent / f"{bundle.name}.export_s").read_text())}
         gc.collect()
         torch.cuda.empty_cache()
         with onecopy.Engine.load(bundle, "cuda", max_sessions=a.sessions, decode_buckets=[1, a.sessions],
@@ -106,8 +113,8 @@ def main() -> None:
             row.update(weight_bytes=report.unique_weight_bytes, packed_weight_bytes=report.packed_weight_bytes,
                        packed_as_float_bytes=report.packed_as_float_bytes)
             ttfts = []
-            for _ in range(3):
-                stream = engine.submit(prompt, onecopy.SamplingParams(max_new_tokens=2), stop_ids=[])
+            for i in range(3):  # a different first token each time: no prefix-cache hit
+                stream = engine.submit([i + 1] + prompt[1:], onecopy.SamplingParams(max_new_tokens=2), stop_ids=[])
                 stream.result(timeout=600)
                 ttfts.append(stream.time_to_first_token)
             row["ttft_ms"] = round(1000 * statistics.median(ttfts), 2)
@@ -127,13 +134,16 @@ def main() -> None:
                 s.close()
         if quant is not None:
             row.update(logit_error(src, bundle, quant, int(group or 128), prompt[:256], a.max_seq_len))
-        shutil.rmtree(bundle, ignore_errors=True)
+        if not a.reuse:
+            shutil.rmtree(bundle, ignore_errors=True)
         gc.collect()
         torch.cuda.empty_cache()
         res["rows"].append(row)
         print(json.dumps(row), flush=True)
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(res, indent=1))
+    if a.export_only:
+        return
     base = res["rows"][0]
     for r in res["rows"]:
         r["vs_bf16_b1"] = round(r["tok_s_b1"] / base["tok_s_b1"], 3)
