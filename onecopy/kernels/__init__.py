@@ -12,6 +12,7 @@ One module per kernel family; the models call the ops through the functions re-e
   residual add after it folded in (`small_linear`), reading a packed (quantized) weight as well
   (``packed=``: `packed_linear`, each tile dequantized in the kernel);
 - `dequant`: a packed weight dequantized for a prefill chunk's cuBLAS GEMM (`dequantize`);
+- `linear_triton`: the Triton source of both (one packed-tile dequantization), imported on first launch;
 - `tiles`: every tile table and tiling constant of the three;
 - `ops`: the op definitions (once, at import of this package, where Triton and CUDA are usable),
   `available`, and the calls above.
