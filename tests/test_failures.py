@@ -129,7 +129,11 @@ def server(tiny_bundle):
 
 
 def _fail_after(engine, steps, message):
-    """Let ``steps`` decode steps run, then raise RuntimeError(message) in every later one."""
+    """Let ``steps`` decode steps run, then raise RuntimeError(message) in every later one.
+
+    Requests that must reach the fault pass ignore_eos: the tiny model samples from 512 tokens at
+    temperature 1, so an end-of-sequence token within the first steps (seen once in CI) would finish the
+    request before the fault."""
     real, n = engine.runner.decode, [0]
 
     def decode(*a, **k):
@@ -143,7 +147,7 @@ def _fail_after(engine, steps, message):
 
 def test_a_stream_that_fails_midway_ends_with_an_error_event_and_done(server):
     _fail_after(server.engine, 3, "boom midway")
-    body = {"model": "tiny", "prompt": "hello", "max_tokens": 20, "stream": True}
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 20, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -157,7 +161,7 @@ def test_a_failed_request_is_an_error_not_a_length_finish(server):
     _fail_after(server.engine, 2, "boom in step 3")
     c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     with pytest.raises(openai.InternalServerError, match="boom in step 3"):
-        c.completions.create(model="tiny", prompt="hello", max_tokens=20)
+        c.completions.create(model="tiny", prompt="hello", max_tokens=20, extra_body={"ignore_eos": True})
 
 
 def test_health_reports_a_failed_engine_and_requests_get_503(server):
