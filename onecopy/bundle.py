@@ -155,6 +155,12 @@ class Manifest:
         """State FQNs laid out in blocks (paged KV); the rest has a row per session."""
         return [k for k, v in self.state.items() if v.paged]
 
+    def kv_dtype_description(self) -> str:
+        """The KV cache's storage: the values' dtype and, for an 8-bit cache (`models.kv_quant`), its scales."""
+        values = sorted({v.dtype for k, v in self.state.items() if k.endswith(("k_cache", "v_cache"))})
+        scaled = any(k.endswith(("k_scale", "v_scale")) for k in self.state)
+        return "/".join(values) + (" values, a float32 scale per position and head" if scaled else "")
+
     def packed_fqns(self, layer: str) -> list[str]:
         """The weight FQNs holding packed ``layer`` (values, scales and, affine layouts, mins)."""
         return [f for f in (f"{layer}.{part}" for part in PACKED_PARTS) if f in self.weights]

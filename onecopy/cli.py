@@ -150,7 +150,7 @@ def _cmd_export(a: argparse.Namespace) -> int:
         raise OnecopyError(f"--kv-block takes a power of two or 'none', got {a.kv_block!r}") from None
     out = export(a.source, a.out, max_seq_len=a.max_seq_len, dtype=a.dtype, device=a.device,
                  methods=tuple(a.methods.split(",")) if a.methods else None, overwrite=a.overwrite, kv_block=kv_block,
-                 dequantize=a.dequantize, quantize=a.quantize, group_size=a.group_size)
+                 dequantize=a.dequantize, quantize=a.quantize, group_size=a.group_size, kv_dtype=a.kv_dtype)
     print(f"wrote {out}")
     return 0
 
@@ -192,6 +192,7 @@ def _cmd_info(a: argparse.Namespace) -> int:
         block = sum(m.state[k].nbytes for k in paged)
         print(f"kv cache      paged: blocks of {m.kv_block_size} positions ({block / 2**10:,.1f} KiB), "
               f"{m.table_width} per session at most; sessions share a common prompt's blocks (prefix cache)")
+        print(f"kv dtype      {m.kv_dtype_description()}")
     print(f"memory        one session needs ~{(weight_bytes + state_bytes) / 2**20:,.1f} MiB "
           f"(weights + state), each further session {state_bytes / 2**20:,.1f} MiB")
     if a.device_memory:
@@ -256,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quantize a float checkpoint's projections: int8 symmetric or int4 asymmetric, per group")
     e.add_argument("--group-size", type=int, default=128, choices=[16, 32, 64, 128],
                    help="values per scale with --quantize (default 128)")
+    e.add_argument("--kv-dtype", choices=["bf16", "int8", "fp8"], default="bf16",
+                   help="KV cache storage: the model's dtype (bf16, the default) or 8 bits with a float32 scale per "
+                        "position and head (int8, fp8 e4m3): half the KV bytes per session and per decode step")
     e.set_defaults(fn=_cmd_export)
 
     t = sub.add_parser("transcribe", help="transcribe WAV files as concurrent sessions (default: the embedded "

@@ -15,6 +15,7 @@ import torch
 from ..bundle import (FORMAT_VERSION, MANIFEST, TOKENIZER, WEIGHTS, Manifest, MethodSpec, TensorSpec, dtype_name,
                       sha256, sha256_many, tensor_view)
 from ..errors import ExportError
+from ..models import kv_quant
 from ..models.base import MethodDef
 from ..models.packed import GROUPS
 from ..models.quantize import DEFAULT_GROUP, QUANTIZE_MODES, pack_gguf, packed_layers, quantize_model
@@ -58,7 +59,7 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
            dtype: torch.dtype | str | None = None, device: str = "cpu", methods: Sequence[str] | None = None,
            embed_weights: Sequence[str] = (), overwrite: bool = False, progress: bool = True,
            kv_block: int | None = DEFAULT_KV_BLOCK, dequantize: bool | None = None, quantize: str | None = None,
-           group_size: int = DEFAULT_GROUP) -> Path:
+           group_size: int = DEFAULT_GROUP, kv_dtype: str | None = None) -> Path:
     """Export ``source`` into a bundle at ``out_dir`` and return its path.
 
     ``max_seq_len`` defaults to the family's natural bound (Llama: min(2048, the model's context);
@@ -77,6 +78,9 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
     pass False to keep them packed there too.
     ``quantize`` ("int8" or "int4", with ``group_size`` values per scale) packs a float model's
     projections (`models.quantize.quantize_model`). The manifest records each packed layer's layout.
+    ``kv_dtype`` ("int8" or "fp8"; None or "bf16": the model's dtype) stores the KV cache in 8 bits with a
+    float32 scale per position and head (`models.kv_quant`; Llama family, paged KV): about half the bytes
+    per session and per decode step's read. The state's dtypes in the manifest say which.
     """
     out = Path(out_dir)
     if out.exists() and not overwrite:
@@ -90,6 +94,13 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
     dtype = dtype or default_dtype(device)
     if kv_block is not None and not (isinstance(kv_block, int) and 1 <= kv_block <= 4096 and kv_block & (kv_block - 1) == 0):
         raise ExportError(f"kv_block={kv_block!r} must be a power of two in 1..4096 (--kv-block), or None for rows")
+    try:
+        kv_storage = kv_quant.kv_dtype(kv_dtype)
+    except ValueError as e:
+        raise ExportError(f"{e} (--kv-dtype)") from None
+    if kv_storage is not None and kv_block is None:
+        raise ExportError(f"kv_dtype={kv_dtype!r} needs paged KV: an 8-bit cache is read through blocks; drop "
+                          "kv_block=None (--kv-block none)")
     if quantize is not None and quantize not in QUANTIZE_MODES:
         raise ExportError(f"quantize={quantize!r} is not supported; use {' or '.join(QUANTIZE_MODES)} (--quantize)")
     if quantize is not None and group_size not in GROUPS:
@@ -117,6 +128,11 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
         sources = _pack(model, src, dequantize, quantize, group_size, progress)
         if hasattr(model, "paged_state"):  # the families whose KV can be paged
             model.kv_block = kv_block
+        if kv_storage is not None:
+            if not hasattr(model, "kv_dtype"):
+                raise ExportError(f"kv_dtype={kv_dtype!r}: an 8-bit KV cache is built for the Llama family, not "
+                                  f"{src.family}; export {src.name} without --kv-dtype")
+            model.kv_dtype = kv_storage
         available = model.export_methods(max_seq_len, device)
         methods = list(available) if methods is None else list(methods)
         unknown = sorted(set(methods) - set(available)) + sorted(set(embed_weights) - set(methods))

@@ -14,6 +14,10 @@ Paged KV (``Step.table`` given): the pools are [NB, H, BS, D], blocks of BS posi
 position p lives in block ``table[row, p // BS]`` at offset ``p % BS``. Sessions that share a prompt
 point their tables at the same blocks (`runtime.blocks`); the helpers below then address through the
 table (`write_paged`, `gather_paged`) and the CUDA kernels read it in place.
+
+8-bit KV (`kv_quant`, paged only): the pools hold int8 or fp8 values and two more pools [NB, H, BS]
+their float32 scales, one per position and head; writes quantize, reads dequantize (on CUDA inside
+the kernels).
 """
 
 from __future__ import annotations
@@ -25,6 +29,21 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
+from . import kv_quant
+
+
+@dataclass
+class KVCache:
+    """One layer's KV cache: the K and V pools and, for an 8-bit cache, their scale pools [NB, H, BS]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
 
 
 @dataclass
@@ -38,15 +57,17 @@ class Step:
     table: torch.Tensor | None = None  # paged KV: the block table [P, NBMAX] (rows index it)
 
 
-def attend_pooled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, k_pool: torch.Tensor,
-                  v_pool: torch.Tensor) -> torch.Tensor:
+def attend_pooled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
     """Write the new K/V into the step's rows at its positions, then attend; q, k, v, result: [N, T, H, D].
 
     Decode (T = 1, N sessions): each row's filled prefix, through its new position. Prefill (N = 1):
     the chunk causally against its row (only the filled prefix when ``step.context`` is given).
     """
     if step.table is not None:
-        return attend_paged(q, k, v, step, k_pool, v_pool)
+        return attend_paged(q, k, v, step, cache)
+    if cache.quantized:
+        raise ValueError("an 8-bit KV cache is paged: export with a kv_block")
+    k_pool, v_pool = cache.k, cache.v
     if step.decode:
         write_rows(k_pool, step.rows, step.input_pos, k[:, 0])
         write_rows(v_pool, step.rows, step.input_pos, v[:, 0])
@@ -136,34 +157,49 @@ def chunk_attention(q: torch.Tensor, k_row: torch.Tensor, v_row: torch.Tensor, p
 
 
 # -- paged KV ----------------------------------------------------------------------------------------
-def attend_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, k_pool: torch.Tensor,
-                 v_pool: torch.Tensor) -> torch.Tensor:
+def attend_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
     """`attend_pooled` over block pools [NB, Hkv, BS, D] addressed through ``step.table``."""
     table = step.table
+    on_cuda = q.is_cuda and kernels.available()
     if step.decode:
-        write_paged(k_pool, table, step.rows, step.input_pos, k[:, 0])
-        write_paged(v_pool, table, step.rows, step.input_pos, v[:, 0])
+        write_paged(cache.k, table, step.rows, step.input_pos, k[:, 0], cache.k_scale)
+        write_paged(cache.v, table, step.rows, step.input_pos, v[:, 0], cache.v_scale)
         lengths = step.input_pos + 1
-        if q.is_cuda and kernels.available():
-            return kernels.paged_decode_attention(q[:, 0], k_pool, v_pool, table, step.rows, lengths)[:, None]
-        return paged_attention_torch(q[:, 0], k_pool, v_pool, table, step.rows, lengths)[:, None]
+        if on_cuda and cache.quantized:
+            return kernels.paged_decode_attention_q8(q[:, 0], cache.k, cache.v, cache.k_scale, cache.v_scale, table,
+                                                     step.rows, lengths)[:, None]
+        if on_cuda:
+            return kernels.paged_decode_attention(q[:, 0], cache.k, cache.v, table, step.rows, lengths)[:, None]
+        return paged_attention_torch(q[:, 0], cache, table, step.rows, lengths)[:, None]
     rows = step.rows.expand(step.input_pos.shape[0])
-    write_paged(k_pool, table, rows, step.input_pos, k[0])
-    write_paged(v_pool, table, rows, step.input_pos, v[0])
-    if q.is_cuda and kernels.available():
-        return kernels.paged_prefill_attention(q[0], k_pool, v_pool, table, step.rows, step.input_pos)[None]
-    keys = step.context if step.context is not None else torch.arange(table.shape[1] * k_pool.shape[2], device=q.device)
-    k_row = gather_paged(k_pool, table, step.rows, keys)[0]
-    v_row = gather_paged(v_pool, table, step.rows, keys)[0]
+    write_paged(cache.k, table, rows, step.input_pos, k[0], cache.k_scale)
+    write_paged(cache.v, table, rows, step.input_pos, v[0], cache.v_scale)
+    if on_cuda and cache.quantized:
+        return kernels.paged_prefill_attention_q8(q[0], cache.k, cache.v, cache.k_scale, cache.v_scale, table,
+                                                  step.rows, step.input_pos)[None]
+    if on_cuda:
+        return kernels.paged_prefill_attention(q[0], cache.k, cache.v, table, step.rows, step.input_pos)[None]
+    keys = step.context if step.context is not None else torch.arange(table.shape[1] * cache.k.shape[2], device=q.device)
+    k_row = gather_paged(cache.k, table, step.rows, keys)[0]
+    v_row = gather_paged(cache.v, table, step.rows, keys)[0]
+    if cache.quantized:  # [H, S, D] values times [H, S] scales, in q's dtype for SDPA
+        k_row = kv_quant.dequantize(k_row, gather_paged(cache.k_scale[..., None], table, step.rows, keys)[0, ..., 0])
+        v_row = kv_quant.dequantize(v_row, gather_paged(cache.v_scale[..., None], table, step.rows, keys)[0, ..., 0])
+        k_row, v_row = k_row.to(q.dtype), v_row.to(q.dtype)
     y = chunk_attention(q[0].transpose(0, 1)[None], k_row, v_row, step.input_pos, step.context)
     return y[0].transpose(0, 1)[None]
 
 
 def write_paged(pool: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-                values: torch.Tensor) -> None:
-    """pool[table[rows[i], p // BS], :, p % BS] = values[i] with p = positions[i] (values: [N, H, D])."""
+                values: torch.Tensor, scales: torch.Tensor | None = None) -> None:
+    """pool[table[rows[i], p // BS], :, p % BS] = values[i] with p = positions[i] (values: [N, H, D]);
+    with ``scales`` (an 8-bit pool's [NB, H, BS]) the values are quantized and their scales written too."""
     bs = pool.shape[2]
-    pool[table[rows, positions // bs], :, positions % bs] = values
+    blocks, offsets = table[rows, positions // bs], positions % bs
+    if scales is not None:
+        values, scale = kv_quant.quantize(values, pool.dtype)
+        scales[blocks, :, offsets] = scale
+    pool[blocks, :, offsets] = values
 
 
 def gather_paged(pool: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -174,24 +210,30 @@ def gather_paged(pool: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, po
     return pool[blocks, :, positions % bs].permute(0, 2, 1, 3)  # [B, S, H, D] -> [B, H, S, D]
 
 
-def paged_attention_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                          rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def paged_attention_torch(q: torch.Tensor, cache: KVCache, table: torch.Tensor, rows: torch.Tensor,
+                          lengths: torch.Tensor) -> torch.Tensor:
     """`pooled_attention_torch` over block pools: each row's first ``lengths[b]`` positions, in fp32.
 
     Block by block ([B, NBMAX, Hkv, BS, D] views of the pools through the table), so that Inductor
     fuses the gather into the reductions as it does for rows: no copy of the cache is materialised.
+    An 8-bit cache's values are dequantized as they are read (the same fused gather).
     """
+    k_pool, v_pool = cache.k, cache.v
     b, hq, d = q.shape
     hkv, bs = k_pool.shape[1], k_pool.shape[2]
     nb = table.shape[1]
     g = hq // hkv
     blocks = table[rows]  # [B, NBMAX]
     qg = q.view(b, 1, hkv, g, 1, d).float()
-    k = k_pool[blocks].unsqueeze(3)  # [B, NBMAX, Hkv, 1, BS, D]
-    scores = (qg * k.float()).sum(-1) * (1.0 / math.sqrt(d))  # [B, NBMAX, Hkv, g, BS]
+    k = k_pool[blocks].float()  # [B, NBMAX, Hkv, BS, D]
+    v = v_pool[blocks].float()
+    if cache.quantized:
+        k, v = kv_quant.dequantize(k, cache.k_scale[blocks]), kv_quant.dequantize(v, cache.v_scale[blocks])
+    k = k.unsqueeze(3)  # [B, NBMAX, Hkv, 1, BS, D]
+    scores = (qg * k).sum(-1) * (1.0 / math.sqrt(d))  # [B, NBMAX, Hkv, g, BS]
     valid = torch.arange(nb * bs, device=q.device).view(nb, bs)[None] < lengths[:, None, None]  # [B, NBMAX, BS]
     scores = scores.masked_fill(~valid[:, :, None, None, :], float("-inf"))
     p = scores.permute(0, 2, 3, 1, 4).reshape(b, hkv, g, nb * bs).softmax(-1).view(b, hkv, g, nb, bs)
-    v = v_pool[blocks].permute(0, 2, 1, 3, 4).unsqueeze(2)  # [B, Hkv, 1, NBMAX, BS, D]
-    out = (p.unsqueeze(-1) * v.float()).sum((-3, -2))  # [B, Hkv, g, D]
+    v = v.permute(0, 2, 1, 3, 4).unsqueeze(2)  # [B, Hkv, 1, NBMAX, BS, D]
+    out = (p.unsqueeze(-1) * v).sum((-3, -2))  # [B, Hkv, g, D]
     return out.reshape(b, hq, d).to(q.dtype)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from .attention import Step, attend_pooled
+from .attention import KVCache, Step, attend_pooled
 from .base import MethodDef, PooledModel, as_method, pooled_methods
 from .layers import FeedForward, RMSNorm, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
 from .packed import flatten, kernel_linear, matmul
@@ -74,12 +74,12 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Step,
-                k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+                cache: KVCache) -> torch.Tensor:
         """x: [N, T, dim] with N sessions of T tokens each (decode: T = 1; prefill: N = 1)."""
-        return self.wo(self.attend(self.wqkv(x), cos, sin, step, k_pool, v_pool))
+        return self.wo(self.attend(self.wqkv(x), cos, sin, step, cache))
 
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Step,
-               k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+               cache: KVCache) -> torch.Tensor:
         """The projected q/k/v [N, T, (Hq + 2 Hkv) D] through q/k norm, RoPE and attention -> [N, T, Hq D]."""
         n, t, _ = qkv.shape
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
@@ -91,7 +91,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos, sin)  # cos, sin: [N or 1, T, 1, D]
         k = apply_rope(k, cos, sin)
-        return attend_pooled(q, k, v, step, k_pool, v_pool).reshape(n, t, q_size)
+        return attend_pooled(q, k, v, step, cache).reshape(n, t, q_size)
 
 
 class Block(nn.Module):
@@ -102,13 +102,13 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Step, k_pool: torch.Tensor,
-                v_pool: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, step, k_pool, v_pool)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Step,
+                cache: KVCache) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, step, cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def fused_decode(self, x: torch.Tensor, ss: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Step,
-                     k_pool: torch.Tensor, v_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """The same layer for a decode step's rows x [B, dim] on CUDA, with ``ss`` the partial sums of
         squares of x's rows: for a few sessions each projection is one kernel (norm + QKV; output +
         residual; norm + gate/up + SwiGLU; down + residual), for more the ops above (see `projections`);
@@ -117,15 +117,18 @@ class Block(nn.Module):
         n = x.shape[0]
         attn, ffn, eps = self.attention, self.feed_forward, self.ffn_norm.eps
         qkv = linear(x, attn.wqkv.weight, attn.wqkv.bias, norm=(self.attention_norm.weight, ss, self.attention_norm.eps))
+        c, s = cos[:, 0, 0], sin[:, 0, 0]
         if attn.qk_norm:
-            y = attn.attend(qkv[:, None], cos, sin, step, k_pool, v_pool)[:, 0]
-        else:  # RoPE and the K/V cache write happen inside the attention kernel
-            if step.table is not None:
-                y = kernels.paged_decode_attention_rope(qkv, cos[:, 0, 0], sin[:, 0, 0], k_pool, v_pool, step.table,
-                                                        step.rows, step.input_pos).flatten(1)
-            else:
-                y = kernels.decode_attention_rope(qkv, cos[:, 0, 0], sin[:, 0, 0], k_pool, v_pool, step.rows,
-                                                  step.input_pos).flatten(1)
+            y = attn.attend(qkv[:, None], cos, sin, step, cache)[:, 0]
+        # Otherwise RoPE and the K/V cache write (quantizing, for an 8-bit cache) happen inside the attention kernel.
+        elif cache.quantized:
+            y = kernels.paged_decode_attention_rope_q8(qkv, c, s, cache.k, cache.v, cache.k_scale, cache.v_scale,
+                                                       step.table, step.rows, step.input_pos).flatten(1)
+        elif step.table is not None:
+            y = kernels.paged_decode_attention_rope(qkv, c, s, cache.k, cache.v, step.table, step.rows,
+                                                    step.input_pos).flatten(1)
+        else:
+            y = kernels.decode_attention_rope(qkv, c, s, cache.k, cache.v, step.rows, step.input_pos).flatten(1)
         dim = x.shape[1]
         weights = [attn.wo.weight, ffn.w13.weight, ffn.w2.weight]
         flat, unflatten = flatten(weights)
@@ -156,7 +159,9 @@ class Transformer(PooledModel):
     attending to the L = input_pos[-1] + 1 filled positions of its row only.
     ``pools`` are the `state_fqns` tensors in order, each [P, n_kv_heads, max_seq_len + 1, head_dim]; with
     ``kv_block`` (paged KV, the default export) they follow the block table [P, NBMAX] and are each
-    [NB, n_kv_heads, kv_block, head_dim] (`attention.attend_paged`).
+    [NB, n_kv_heads, kv_block, head_dim] (`attention.attend_paged`). With ``kv_dtype`` (int8 or fp8, paged
+    only; `kv_quant`) each layer's K and V pools are 8-bit and followed by their scale pools [NB, n_kv_heads,
+    kv_block].
     Calling the module itself (``model(tokens, input_pos)``) prefills one session whose state the
     module keeps: the eager reference the tests compare against.
     """
@@ -174,15 +179,24 @@ class Transformer(PooledModel):
         self.to(dtype)
         self.rope_inv_freq.data = inv_freq  # RoPE angles stay in fp32 whatever the model dtype
 
+    kv_dtype: torch.dtype | None = None  # an 8-bit KV cache's storage dtype (set before export); None: self.dtype
+
     def state_specs(self) -> dict[str, tuple[list[int], torch.dtype]]:
         """Each state tensor's shape and dtype: every layer's K and V cache, per session row, or per block
-        of ``kv_block`` positions when paged (then every state tensor is paged)."""
+        of ``kv_block`` positions when paged (then every state tensor is paged); an 8-bit cache adds each
+        pool's float32 scales, one per position and head."""
         # One spare position: a prefill's context (at most max_seq_len) is then always a strict prefix of
         # the row, so export need not special-case a context that spans the whole row.
         length = self.kv_block or self.max_seq_len + 1
         shape = [self.config.n_kv_heads, length, self.config.head_dim]
-        return {f"layers.{i}.attention.{n}": (shape, self.dtype) for i in range(len(self.layers))
-                for n in ("k_cache", "v_cache")}
+        if self.kv_dtype is None:
+            return {f"layers.{i}.attention.{n}": (shape, self.dtype) for i in range(len(self.layers))
+                    for n in ("k_cache", "v_cache")}
+        if not self.kv_block:
+            raise ValueError("an 8-bit KV cache is paged: export it with a kv_block")
+        return {f"layers.{i}.attention.{n}": spec for i in range(len(self.layers))
+                for n, spec in (("k_cache", (shape, self.kv_dtype)), ("v_cache", (shape, self.kv_dtype)),
+                                ("k_scale", (shape[:2], torch.float32)), ("v_scale", (shape[:2], torch.float32)))}
 
     def state_fqns(self) -> list[str]:
         return list(self.state_specs())
@@ -191,18 +205,24 @@ class Transformer(PooledModel):
         """The state tensors laid out in blocks (all of them when ``kv_block`` is set)."""
         return self.state_fqns() if self.kv_block else []
 
+    def _caches(self, pools: tuple[torch.Tensor, ...]) -> list[KVCache]:
+        """Each layer's KVCache from the pools in `state_specs` order."""
+        per = 4 if self.kv_dtype is not None else 2
+        return [KVCache(*pools[per * i:per * (i + 1)]) for i in range(len(self.layers))]
+
     def _run(self, tokens: torch.Tensor, step: Step, pools: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        caches = self._caches(pools)
         x = self.tok_embeddings(tokens)
         cos, sin = rope_cos_sin(step.input_pos, self.rope_inv_freq, self.rope_scale, x.dtype, step.decode)
         w = self.tok_embeddings.weight if self.config.tie_embeddings else self.output.weight
         if fused_decode(x, step.decode):  # each norm folded into the projection after it
             x, ss = x[:, 0], sum_of_squares(x[:, 0])
             for i, layer in enumerate(self.layers):
-                x, ss = layer.fused_decode(x, ss, cos, sin, step, pools[2 * i], pools[2 * i + 1])
+                x, ss = layer.fused_decode(x, ss, cos, sin, step, caches[i])
             # The LM head's 2004 programs would each redo the norm on their x tiles: a norm kernel is cheaper.
             return linear(self.norm(x), w)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, step, pools[2 * i], pools[2 * i + 1])
+            x = layer(x, cos, sin, step, caches[i])
         return matmul(self.norm(x[:, -1, :]), w)
 
     def decode(self, tokens: torch.Tensor, input_pos: torch.Tensor, rows: torch.Tensor,

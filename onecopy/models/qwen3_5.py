@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import Step, attend_pooled
+from .attention import KVCache, Step, attend_pooled
 from .base import MethodDef, PooledModel, as_method, pooled_methods
 from .layers import FeedForward, apply_rope, rope_cos_sin, rope_inv_freq
 from .qwen3_5_deltanet import GatedDeltaNet
@@ -136,7 +136,7 @@ class Attention(nn.Module):
         q = apply_rope(self.q_norm(q), cos, sin, self.rotary_dim)
         k = apply_rope(self.k_norm(k.view(n, t, self.n_kv_heads, hd)), cos, sin, self.rotary_dim)
         v = v.view(n, t, self.n_kv_heads, hd)
-        y = attend_pooled(q, k, v, step, k_pool, v_pool)
+        y = attend_pooled(q, k, v, step, KVCache(k_pool, v_pool))
         y = y.reshape(n, t, q_size) * torch.sigmoid(gate.reshape(n, t, q_size))
         return self.wo(y)
 

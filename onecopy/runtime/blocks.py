@@ -95,8 +95,8 @@ class KVBlocks:
             have.append(fresh[-1])
         if fresh:  # zeroed, as a row was: what a session holds past its position never depends on who held it before
             idx = torch.tensor(fresh, device=self.device)
-            for t in self.tensors.values():
-                t.index_fill_(0, idx, 0)
+            for t in self.tensors.values():  # as bytes: index_fill_ has no float8 kernel
+                t.view(torch.uint8).index_fill_(0, idx, 0)
         self._write_table(row, changed)
 
     def trim(self, row: int, positions: int) -> None:

@@ -630,7 +630,8 @@ class Engine:
         state_bytes = len(self._sessions) * r.pool.row_bytes
         if r.blocks is not None:
             b, use = r.blocks, r.blocks.usage()
-            kv = dict(kv_block_size=b.block_size, kv_blocks=b.blocks, kv_shared_bytes=use["shared"] * b.block_bytes,
+            kv = dict(kv_block_size=b.block_size, kv_blocks=b.blocks, kv_dtype=self.manifest.kv_dtype_description(),
+                      kv_block_bytes=b.block_bytes, kv_shared_bytes=use["shared"] * b.block_bytes,
                       kv_private_bytes=use["private"] * b.block_bytes, kv_evictable_bytes=use["cached"] * b.block_bytes,
                       kv_free_bytes=use["free"] * b.block_bytes, kv_references=use["references"],
                       prefix_cache=self.prefix_cache, prefix_cached_tokens=self.scheduler.stats.cached_tokens)

@@ -69,6 +69,8 @@ class MemoryReport:
     # Paged KV (0 without): blocks of kv_block_size positions, by who references them.
     kv_block_size: int = 0
     kv_blocks: int = 0
+    kv_dtype: str = ""  # the cache's storage (`Manifest.kv_dtype_description`): values' dtype, scales if 8-bit
+    kv_block_bytes: int = 0  # one block of every layer's K and V (and scales)
     kv_shared_bytes: int = 0  # blocks two or more sessions read (a shared prompt: held once)
     kv_private_bytes: int = 0  # blocks one session reads
     kv_evictable_bytes: int = 0  # cached prefixes no session holds: reused by later prompts, evicted LRU first
@@ -91,6 +93,7 @@ class MemoryReport:
             ("state pool", f"{self.pool_rows} rows + scratch, {_mib(self.pool_bytes)}"),
             ("state per session", _mib(self.state_bytes_per_session)),
             *([("KV blocks", f"{self.kv_blocks} x {self.kv_block_size} positions"),
+               ("KV block", f"{self.kv_block_bytes / 2**10:,.1f} KiB"),
                ("KV shared / private", f"{_mib(self.kv_shared_bytes)} / {_mib(self.kv_private_bytes)}"),
                ("KV cached (evictable)", _mib(self.kv_evictable_bytes)),
                ("KV free", _mib(self.kv_free_bytes))] if self.kv_blocks else []),
@@ -105,6 +108,7 @@ class MemoryReport:
         w = max(len(k) for k, _ in rows)
         lines = [f"{k:<{w}}  {v:>14}" for k, v in rows] + [f"pool sizing: {self.pool_sizing}"]
         if self.kv_blocks:
+            lines.append(f"kv dtype: {self.kv_dtype}")
             lines.append(f"prefix cache: {'on' if self.prefix_cache else 'off'}, {self.prefix_cached_tokens} prompt "
                          "tokens taken from it")
         if self.deterministic:
