@@ -5,9 +5,10 @@ One module per kernel family; the models call the ops through the functions re-e
 - `decode`: split-KV decode attention over the KV pool (`decode_attention`), and its variant from a
   decode step's projected q/k/v rows with RoPE and the new K/V's cache write inside the kernel
   (`decode_attention_rope`); both over a paged cache too (`paged_decode_attention`,
-  `paged_decode_attention_rope`: pages of BS positions, a block table row per session);
+  `paged_decode_attention_rope`: pages of BS positions, a block table row per session), and over an
+  8-bit paged cache with a scale per position and head (the ``_q8`` ops, `models.kv_quant`);
 - `prefill`: causal flash attention of a prefill chunk over its pool row, in place (`prefill_attention`),
-  or over its pages (`paged_prefill_attention`);
+  or over its pages (`paged_prefill_attention`, `paged_prefill_attention_q8` for an 8-bit cache);
 - `linear`: the small linear of a decode step's few rows, with the RMSNorm before it and SwiGLU or a
   residual add after it folded in (`small_linear`), reading a packed (quantized) weight as well
   (``packed=``: `packed_linear`, each tile dequantized in the kernel);
@@ -27,7 +28,8 @@ from .decode import launch_decode, launch_decode_paged
 from .dequant import launch_dequantize
 from .linear import Norm, PackedArgs, launch_linear
 from .ops import (available, decode_attention, decode_attention_rope, dequantize, paged_decode_attention,
-                  paged_decode_attention_rope, paged_prefill_attention, prefill_attention, small_linear)
+                  paged_decode_attention_q8, paged_decode_attention_rope, paged_decode_attention_rope_q8,
+                  paged_prefill_attention, paged_prefill_attention_q8, prefill_attention, small_linear)
 from .prefill import launch_prefill, launch_prefill_paged
 from .tiles import (BLOCK_N, INVARIANT_ROWS, PREFILL_TILES, SMALL_LINEAR_ROWS, SMEM_BUDGET, SPLIT_MAX, n_splits,
                     packed_linear_tiles, prefill_tiles, small_linear_programs, small_linear_tiles)
@@ -35,6 +37,6 @@ from .tiles import (BLOCK_N, INVARIANT_ROWS, PREFILL_TILES, SMALL_LINEAR_ROWS, S
 __all__ = ["BLOCK_N", "INVARIANT_ROWS", "Norm", "PREFILL_TILES", "PackedArgs", "SMALL_LINEAR_ROWS", "SMEM_BUDGET", "SPLIT_MAX",
            "available", "decode_attention", "decode_attention_rope", "dequantize", "launch_decode", "launch_decode_paged",
            "launch_dequantize", "launch_linear", "launch_prefill", "launch_prefill_paged", "n_splits", "packed_linear_tiles",
-           "paged_decode_attention",
-           "paged_decode_attention_rope", "paged_prefill_attention", "prefill_attention", "prefill_tiles",
-           "small_linear", "small_linear_programs", "small_linear_tiles"]
+           "paged_decode_attention", "paged_decode_attention_q8", "paged_decode_attention_rope",
+           "paged_decode_attention_rope_q8", "paged_prefill_attention", "paged_prefill_attention_q8", "prefill_attention",
+           "prefill_tiles", "small_linear", "small_linear_programs", "small_linear_tiles"]

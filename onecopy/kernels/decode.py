@@ -35,7 +35,10 @@ def _kernels():
                      stride_pob, stride_poh, stride_pos, stride_pmb, stride_pmh, stride_pms, stride_cb, TABLE, stride_t,
                      G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, NS: tl.constexpr,
                      SCALE: tl.constexpr, NEW: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
-                     PAGED: tl.constexpr, BS: tl.constexpr):
+                     PAGED: tl.constexpr, BS: tl.constexpr, KS, VS, stride_sp, stride_sh, QMAX: tl.constexpr):
+        # QMAX > 0: an 8-bit cache (models.kv_quant; 127 int8, 448 fp8) with a float32 scale per position and
+        # head in KS/VS [NB, Hkv, BS]: values convert exactly to q's dtype, the K scale multiplies the scores
+        # and the V scale the probabilities. QMAX = 0 compiles to the code from before 8-bit caches.
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -52,6 +55,9 @@ def _kernels():
             k_base = K + kvh * stride_kh
             v_base = V + kvh * stride_vh
             tab = TABLE + row * stride_t
+            if QMAX > 0:
+                ks_base = KS + kvh * stride_sh
+                vs_base = VS + kvh * stride_sh
         else:
             k_base = K + row * stride_kp + kvh * stride_kh
             v_base = V + row * stride_vp + kvh * stride_vh
@@ -85,7 +91,11 @@ def _kernels():
                             mask=nmask[:, None], other=0.0)
             else:
                 k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=nmask[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * SCALE
+            if QMAX > 0:
+                s = tl.dot(q, tl.trans(k.to(q.dtype))) * SCALE
+                s = s * tl.load(ks_base + blk * stride_sp + offs_n % BS, mask=nmask, other=0.0)[None, :]
+            else:
+                s = tl.dot(q, tl.trans(k)) * SCALE
             s = tl.where(nmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
@@ -96,10 +106,36 @@ def _kernels():
                             mask=nmask[:, None], other=0.0)
             else:
                 v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=nmask[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            if QMAX > 0:
+                pv = p * tl.load(vs_base + blk * stride_sp + offs_n % BS, mask=nmask, other=0.0)[None, :]
+                acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         if NEW:
-            if own:  # the new key last, as the loop would have taken it; then it is cached
+            if own and QMAX > 0:  # the same with the new k/v quantized first: what later steps will read
+                kf, vf = k_new.to(tl.float32), v_new.to(tl.float32)
+                k_sc = tl.maximum(tl.max(tl.abs(kf), 0), 1e-30) / QMAX
+                v_sc = tl.maximum(tl.max(tl.abs(vf), 0), 1e-30) / QMAX
+                yk, yv = kf / k_sc, vf / v_sc
+                if QMAX == 127.0:  # int8: round half to even (adding 1.5 * 2**23 drops the fraction so), clamp
+                    yk = tl.minimum(tl.maximum((yk + 12582912.0) - 12582912.0, -127.0), 127.0)
+                    yv = tl.minimum(tl.maximum((yv + 12582912.0) - 12582912.0, -127.0), 127.0)
+                k_q, v_q = yk.to(K.dtype.element_ty), yv.to(V.dtype.element_ty)  # fp8: round to nearest even
+                s_new = tl.sum(q.to(tl.float32) * k_q.to(tl.float32)[None, :], 1) * SCALE * k_sc
+                m_new = tl.maximum(m_i, s_new)
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(s_new - m_new)
+                l_i = l_i * alpha + p
+                pv = (p * v_sc).to(q.dtype).to(tl.float32)
+                acc = acc * alpha[:, None] + pv[:, None] * v_q.to(tl.float32)[None, :]
+                m_i = m_new
+                blk_cur = tl.load(tab + cur // BS)
+                tl.store(k_base + blk_cur * stride_kp + (cur % BS) * stride_ks + offs_d, k_q)
+                tl.store(v_base + blk_cur * stride_vp + (cur % BS) * stride_vs + offs_d, v_q)
+                tl.store(ks_base + blk_cur * stride_sp + cur % BS, k_sc)
+                tl.store(vs_base + blk_cur * stride_sp + cur % BS, v_sc)
+            elif own:  # the new key last, as the loop would have taken it; then it is cached
                 s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * SCALE
                 m_new = tl.maximum(m_i, s_new)
                 alpha = tl.exp(m_i - m_new)
@@ -149,18 +185,21 @@ def launch_decode(q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | Non
 
 def launch_decode_paged(q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, k_pool: torch.Tensor,
                         v_pool: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
-                        lengths: torch.Tensor) -> torch.Tensor:
+                        lengths: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`launch_decode` over a paged cache: pools [NB, Hkv, BS, D] and a block table [P, NBMAX] (int64,
     unit column stride) whose row rows[b] names the pages of session b in order. The splits are those of a
     pool of NBMAX * BS positions, so that the result is bit for bit the non-paged one's for the same
-    logical rows. Traceable inside the ops."""
-    return _launch(q, rope, k_pool, v_pool, table, rows, lengths)
+    logical rows. ``scales`` (K's and V's, each [NB, Hkv, BS] float32, contiguous): the pools are an 8-bit
+    cache (`models.kv_quant`), read dequantized and, with ``rope``, written quantized. Traceable inside the ops."""
+    return _launch(q, rope, k_pool, v_pool, table, rows, lengths, scales)
 
 
 def _launch(q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, k_pool: torch.Tensor,
             v_pool: torch.Tensor, table: torch.Tensor | None, rows: torch.Tensor,
-            lengths: torch.Tensor) -> torch.Tensor:
+            lengths: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     from torch.library import wrap_triton
+
+    from ..models.kv_quant import QMAX
 
     split_kernel, merge_kernel = _kernels()
     hkv, s, d = k_pool.shape[1], k_pool.shape[2], k_pool.shape[3]
@@ -176,6 +215,8 @@ def _launch(q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, k_p
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     cos, sin = rope if rope is not None else (q, q)  # placeholders the kernel never reads
     tab = table if table is not None else rows  # a placeholder too
+    assert scales is None or table is not None, "an 8-bit KV cache is paged"
+    ks, vs = scales if scales is not None else (q, q)  # placeholders too
     wrap_triton(split_kernel)[(b, hkv, ns)](
         q, k_pool, v_pool, rows, lengths, po, pml, cos, sin,
         q.stride(0), d if rope is not None else q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
@@ -184,7 +225,8 @@ def _launch(q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, k_p
         tab, tab.stride(0),
         G=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, BLOCK=BLOCK_N, NS=ns, SCALE=d ** -0.5,
         NEW=rope is not None, HQ=hq, HKV=hkv, PAGED=table is not None, BS=bs if table is not None else 1,
-        num_warps=4, num_stages=2)
+        KS=ks, VS=vs, stride_sp=ks.stride(0) if scales else 0, stride_sh=ks.stride(1) if scales else 0,
+        QMAX=QMAX[k_pool.dtype] if scales else 0.0, num_warps=4, num_stages=2)
     wrap_triton(merge_kernel)[(b, hq)](
         po, pml, out, po.stride(0), po.stride(1), po.stride(2), pml.stride(0), pml.stride(1), pml.stride(2),
         out.stride(0), out.stride(1), NS=ns, NSP=max(2, 1 << (ns - 1).bit_length()), D=d, num_warps=4)

@@ -92,6 +92,38 @@ def _define_ops() -> None:
         table = table if table.stride(-1) == 1 else table.contiguous()
         return launch_prefill_paged(q, k_pool, v_pool, table, rows, positions, prefill_tiles(q.shape[-1]))
 
+    # An 8-bit paged cache (models.kv_quant): int8 or fp8 pools and their float32 scales [NB, Hkv, BS], one
+    # per position and head. New ops, not new arguments: bundles exported before them keep their schemas.
+    @triton_op("onecopy::paged_decode_attention_q8", mutates_args=())
+    def paged_decode_attention_q8(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor,
+                                  v_scale: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
+                                  lengths: torch.Tensor) -> torch.Tensor:
+        """`paged_decode_attention` over an 8-bit cache, each value times its position's scale as read."""
+        table = table if table.stride(-1) == 1 else table.contiguous()
+        return launch_decode_paged(q, None, k_pool, v_pool, table, rows, lengths, (k_scale, v_scale))
+
+    @triton_op("onecopy::paged_decode_attention_rope_q8", mutates_args=("k_pool", "v_pool", "k_scale", "v_scale"))
+    def paged_decode_attention_rope_q8(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
+                                       v_pool: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                                       table: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """`paged_decode_attention_rope` over an 8-bit cache: the new k and v quantized (a scale each per
+        head) as they are cached, and attended as the cache will hold them."""
+        qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        table = table if table.stride(-1) == 1 else table.contiguous()
+        return launch_decode_paged(qkv, (cos, sin), k_pool, v_pool, table, rows, lengths, (k_scale, v_scale))
+
+    @triton_op("onecopy::paged_prefill_attention_q8", mutates_args=())
+    def paged_prefill_attention_q8(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor,
+                                   v_scale: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
+                                   positions: torch.Tensor) -> torch.Tensor:
+        """`paged_prefill_attention` over an 8-bit cache, each value times its position's scale as read."""
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        table = table if table.stride(-1) == 1 else table.contiguous()
+        return launch_prefill_paged(q, k_pool, v_pool, table, rows, positions, prefill_tiles(q.shape[-1]),
+                                    (k_scale, v_scale))
+
     @triton_op("onecopy::small_linear", mutates_args=())
     def small_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, glu: bool,
                      norm_weight: torch.Tensor | None, norm_ss: torch.Tensor | None,
@@ -171,6 +203,28 @@ def paged_decode_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch
     """See the op: `decode_attention_rope` over a paged cache, the new k/v written at ``positions`` [B] into
     the pages that table rows rows[b] name (CUDA only)."""
     return torch.ops.onecopy.paged_decode_attention_rope(qkv, cos, sin, k_pool, v_pool, table, rows, positions + 1)
+
+
+def paged_decode_attention_q8(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor,
+                              v_scale: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
+                              lengths: torch.Tensor) -> torch.Tensor:
+    """See the op: `paged_decode_attention` over an 8-bit cache with its scale pools (CUDA only)."""
+    return torch.ops.onecopy.paged_decode_attention_q8(q, k_pool, v_pool, k_scale, v_scale, table, rows, lengths)
+
+
+def paged_decode_attention_rope_q8(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
+                                   v_pool: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                                   table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """See the op: `paged_decode_attention_rope` over an 8-bit cache, the new k/v quantized as written (CUDA only)."""
+    return torch.ops.onecopy.paged_decode_attention_rope_q8(qkv, cos, sin, k_pool, v_pool, k_scale, v_scale, table,
+                                                            rows, positions + 1)
+
+
+def paged_prefill_attention_q8(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor,
+                               v_scale: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
+                               positions: torch.Tensor) -> torch.Tensor:
+    """See the op: `paged_prefill_attention` over an 8-bit cache with its scale pools (CUDA only)."""
+    return torch.ops.onecopy.paged_prefill_attention_q8(q, k_pool, v_pool, k_scale, v_scale, table, rows, positions)
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, layout: int, group: int,

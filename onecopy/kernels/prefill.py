@@ -26,7 +26,11 @@ def _prefill_kernel():
                        stride_qt, stride_qh, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
                        stride_ot, stride_oh, TABLE, stride_t,
                        G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       QK_SCALE: tl.constexpr, PAGED: tl.constexpr, BS: tl.constexpr):
+                       QK_SCALE: tl.constexpr, PAGED: tl.constexpr, BS: tl.constexpr, KS, VS, stride_sp, stride_sh,
+                       QUANT: tl.constexpr):
+        # QUANT: an 8-bit paged cache (models.kv_quant), a float32 scale per position and head in KS/VS
+        # [NB, Hkv, BS]; values convert exactly to q's dtype, the K scale multiplies the scores and the V
+        # scale the probabilities. QUANT False compiles to the code from before 8-bit caches.
         mb = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last) query blocks start first
         h = tl.program_id(1)
         row = tl.load(ROWS)
@@ -42,6 +46,9 @@ def _prefill_kernel():
             k_base = K + (h // G) * stride_kh
             v_base = V + (h // G) * stride_vh
             tab = TABLE + row * stride_t
+            if QUANT:
+                ks_base = KS + (h // G) * stride_sh
+                vs_base = VS + (h // G) * stride_sh
         else:
             k_base = K + row * stride_kp + (h // G) * stride_kh
             v_base = V + row * stride_vp + (h // G) * stride_vh
@@ -57,7 +64,11 @@ def _prefill_kernel():
                 k = tl.load(k_base + (blk * stride_kp + (offs_n % BS) * stride_ks)[:, None] + offs_d[None, :])
             else:
                 k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :])
-            s = tl.dot(q, tl.trans(k)) * QK_SCALE
+            if QUANT:
+                s = tl.dot(q, tl.trans(k.to(q.dtype))) * QK_SCALE
+                s = s * tl.load(ks_base + blk * stride_sp + offs_n % BS)[None, :]
+            else:
+                s = tl.dot(q, tl.trans(k)) * QK_SCALE
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.math.exp2(m_i - m_new)
             p = tl.math.exp2(s - m_new[:, None])
@@ -66,7 +77,11 @@ def _prefill_kernel():
                 v = tl.load(v_base + (blk * stride_vp + (offs_n % BS) * stride_vs)[:, None] + offs_d[None, :])
             else:
                 v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :])
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            if QUANT:
+                pv = p * tl.load(vs_base + blk * stride_sp + offs_n % BS)[None, :]
+                acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         for n in range(unmasked_end, last + 1, BLOCK_N):  # the diagonal: key j visible to query i iff j <= pos[i]
             offs_n = n + tl.arange(0, BLOCK_N)
@@ -77,7 +92,11 @@ def _prefill_kernel():
                             mask=nmask[:, None], other=0.0)
             else:
                 k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=nmask[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * QK_SCALE
+            if QUANT:
+                s = tl.dot(q, tl.trans(k.to(q.dtype))) * QK_SCALE
+                s = s * tl.load(ks_base + blk * stride_sp + offs_n % BS, mask=nmask, other=0.0)[None, :]
+            else:
+                s = tl.dot(q, tl.trans(k)) * QK_SCALE
             s = tl.where(offs_n[None, :] <= pos[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every query sees key 0, so some block came before
             alpha = tl.math.exp2(m_i - m_new)
@@ -88,7 +107,11 @@ def _prefill_kernel():
                             mask=nmask[:, None], other=0.0)
             else:
                 v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=nmask[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            if QUANT:
+                pv = p * tl.load(vs_base + blk * stride_sp + offs_n % BS, mask=nmask, other=0.0)[None, :]
+                acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         out = acc / l_i[:, None]
         tl.store(OUT + offs_m[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(OUT.dtype.element_ty),
@@ -106,27 +129,32 @@ def launch_prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, 
 
 
 def launch_prefill_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                         rows: torch.Tensor, positions: torch.Tensor,
-                         tiles: tuple[int, int, int, int]) -> torch.Tensor:
+                         rows: torch.Tensor, positions: torch.Tensor, tiles: tuple[int, int, int, int],
+                         scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`launch_prefill` over a paged cache: pools [NB, Hkv, BS, D] and a block table [P, NBMAX] (int64,
     unit column stride) whose row rows[0] names the session's pages in order; bit for bit the non-paged
-    result for the same logical row."""
-    return _launch(q, k_pool, v_pool, table, rows, positions, tiles)
+    result for the same logical row. ``scales`` (K's and V's, each [NB, Hkv, BS] float32, contiguous): the
+    pools are an 8-bit cache (`models.kv_quant`), read dequantized."""
+    return _launch(q, k_pool, v_pool, table, rows, positions, tiles, scales)
 
 
 def _launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor | None,
-            rows: torch.Tensor, positions: torch.Tensor, tiles: tuple[int, int, int, int]) -> torch.Tensor:
+            rows: torch.Tensor, positions: torch.Tensor, tiles: tuple[int, int, int, int],
+            scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     from torch.library import wrap_triton
 
     t, hq, d = q.shape
     block_m, block_n, warps, stages = tiles
     out = torch.empty_like(q)
     tab = table if table is not None else rows  # a placeholder the non-paged kernel never reads
+    assert scales is None or table is not None, "an 8-bit KV cache is paged"
+    ks, vs = scales if scales is not None else (q, q)  # placeholders too
     wrap_triton(_prefill_kernel())[((t + block_m - 1) // block_m, hq)](
         q, k_pool, v_pool, rows, positions, out, t,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), out.stride(0), out.stride(1), tab, tab.stride(0),
         G=hq // k_pool.shape[1], D=d, BLOCK_M=block_m, BLOCK_N=block_n, QK_SCALE=d ** -0.5 * 1.4426950408889634,
         PAGED=table is not None, BS=k_pool.shape[2] if table is not None else 1,
-        num_warps=warps, num_stages=stages)
+        KS=ks, VS=vs, stride_sp=ks.stride(0) if scales else 0, stride_sh=ks.stride(1) if scales else 0,
+        QUANT=scales is not None, num_warps=warps, num_stages=stages)
     return out
