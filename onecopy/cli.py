@@ -64,7 +64,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     if a.ray_address is not None:
         raise OnecopyError("--ray-address needs --replicas N (without it onecopy serves in this process)")
     engine = Engine.load(bundle, a.device, max_sessions=a.max_sessions, max_queue=a.max_queue,
-                         deterministic=a.deterministic, prefix_cache=not a.no_prefix_cache)
+                         deterministic=a.deterministic, prefix_cache=not a.no_prefix_cache, token_budget=a.token_budget)
     print(f"onecopy: serving {name} on http://{a.host}:{a.port}/v1 ({engine.max_sessions} sessions at once)",
           file=sys.stderr)
     serve(engine, config, host=a.host, port=a.port, grace_s=a.grace)
@@ -80,7 +80,7 @@ def _serve_replicas(a: argparse.Namespace, bundle: Path, config) -> int:
                            "install it with: pip install 'onecopy[ray]'") from None
     spec = ReplicaSpec(bundle=str(bundle.resolve()), device=a.device, max_sessions=a.max_sessions,
                        max_queue=a.max_queue, deterministic=a.deterministic, prefix_cache=not a.no_prefix_cache,
-                       server=config)
+                       token_budget=a.token_budget, server=config)
     where = f"the Ray cluster at {a.ray_address}" if a.ray_address else "a local Ray cluster"
     print(f"onecopy: serving {config.model_name} on http://{a.host}:{a.port}/v1 from {a.replicas} replica(s) on {where} "
           f"(one engine per {'GPU' if a.device == 'cuda' else 'CPU'})", file=sys.stderr)
@@ -279,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     v.add_argument("--max-sessions", type=int, help="requests generated at once (rows of the state pool)")
     v.add_argument("--max-queue", type=int, default=64, help="requests waiting for a row before 429 (default 64)")
+    v.add_argument("--token-budget", type=int, metavar="TOKENS",
+                   help="tokens one scheduler iteration may take (a decoding session: 1, a prefill chunk: its length; "
+                        "e.g. 4096): several prompts' chunks per iteration instead of one (default)")
     v.add_argument("--model-name", help="the model id clients use (default: the source's name)")
     v.add_argument("--deterministic", action="store_true",
                    help="batch-invariant decoding: a session's tokens never depend on its neighbours")

@@ -244,3 +244,30 @@ def test_closing_the_engine_ends_queued_and_running_requests(tiny_bundle):
     with pytest.raises(onecopy.EngineClosedError):
         engine.submit([1], GREEDY)
     assert holder.closed
+
+
+def test_a_token_budget_gives_the_same_bits_in_fewer_steps(tiny_bundle):
+    """Deterministic mode, every request submitted at once: with a token budget the prompts go in with
+    fewer steps (several chunks per step, cut where one chunk per step cuts them), and every request's
+    tokens and final state equal the one-chunk-per-step run's."""
+    runs = {}
+    for budget in (None, 40):
+        with onecopy.Engine.load(tiny_bundle, max_sessions=6, deterministic=True, prefill_chunk=5,
+                                 token_budget=budget) as engine:
+            hold = threading.Event()
+            has_work = engine.scheduler.has_work
+            engine.scheduler.has_work = lambda: hold.is_set() and has_work()  # every request queued before step 1
+            sessions = {k: engine.open_session() for k in REQUESTS}
+            streams = {k: sessions[k].submit(p, sp, stop_ids=[]) for k, (p, sp) in REQUESTS.items()}
+            hold.set()
+            engine.loop.wake()
+            ids = {k: s.result(timeout=120) for k, s in streams.items()}
+            state = {k: {f: t.clone() for f, t in sessions[k].state.items()} for k in REQUESTS}
+            runs[budget] = ids, state, engine.scheduler.stats
+    (ids, state, stats), (ids_b, state_b, stats_b) = runs[None], runs[40]
+    assert ids_b == ids
+    for k in REQUESTS:
+        for fqn, t in state[k].items():
+            assert torch.equal(state_b[k][fqn], t), (k, fqn)
+    assert stats_b.prefill_chunks == stats.prefill_chunks == 8  # the same cuts: 1 + 2 + 3 + 1 + 1 chunks of <= 5
+    assert stats.prefill_steps == 8 and stats_b.prefill_steps < 8, stats_b.prefill_steps

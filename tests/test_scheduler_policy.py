@@ -2,7 +2,7 @@
 
 import pytest
 
-from onecopy.errors import QueueFullError
+from onecopy.errors import InputError, QueueFullError
 from onecopy.runtime.scheduler import Request, RequestStatus, Scheduler
 from onecopy.sampling import SamplingParams
 
@@ -189,3 +189,43 @@ def test_a_request_submitted_while_a_kept_conversation_gives_its_row_up_is_not_r
     with pytest.raises(QueueFullError):  # and that was the last room
         s.add(request([5]))
     assert s.admit() == [late]
+
+
+def test_a_token_budget_prefills_several_prompts_per_step_cut_where_one_chunk_would_cut_them():
+    s = scheduler(rows=4, chunk=4, token_budget=10)
+    dec, a, b, c = request([1]), request(list(range(10, 16))), request([20, 21, 22]), request([30, 31, 32, 33, 34])
+    s.add(dec)
+    s.admit()
+    s.update(s.schedule(), [5])  # dec decodes from now on: one token of every step's budget
+    for r in (a, b, c):
+        s.add(r)
+    s.admit()
+    p = s.schedule()  # 1 decoding + a's first chunk (4) + b's whole prompt (3) = 8; c's chunk (4) would make 12
+    assert [(x.request, x.start, x.tokens) for x in p.prefills] == [(a, 0, [10, 11, 12, 13]), (b, 0, [20, 21, 22])]
+    assert p.prefill is p.prefills[0] and p.decode_rows == [dec.session.row]
+    assert p.sample == [(b, -2), (dec, 0)] and p.sample_positions == [3, 2]  # b's prompt ends in chunk 1: index -2
+    s.update(p, [40, 41])
+    p = s.schedule()  # a's rest (2) and c's first chunk (4) + 2 decoding = 8; cuts at 4, as without a budget
+    assert [(x.request, x.start, x.tokens) for x in p.prefills] == [(a, 4, [14, 15]), (c, 0, [30, 31, 32, 33])]
+    assert p.sample == [(a, -1), (dec, 0), (b, 1)]
+    assert s.stats.prefill_chunks == 5 and s.stats.prefill_steps == 3
+
+
+def test_the_oldest_prompt_advances_even_when_decode_fills_the_budget():
+    s = scheduler(rows=3, chunk=4, token_budget=2)
+    d1, d2 = request([1]), request([2])
+    s.add(d1), s.add(d2)
+    s.admit()
+    s.update(s.schedule(), [5])
+    s.update(s.schedule(), [6])
+    assert d1.launched == d2.launched == 2  # both decoding
+    long, later = request(list(range(10, 20))), request([7])
+    s.add(long), s.add(later)
+    s.admit()
+    p = s.schedule()  # 2 decoding use the budget: the oldest prompt's chunk still runs, the next waits
+    assert [x.request for x in p.prefills] == [long] and len(p.decode_rows) == 2
+
+
+def test_a_bad_token_budget_is_refused():
+    with pytest.raises(InputError, match="token_budget must be >= 1"):
+        scheduler(token_budget=0)

@@ -49,6 +49,7 @@ class ReplicaSpec:
     max_queue: int | None = 64
     deterministic: bool = False
     prefix_cache: bool = True
+    token_budget: int | None = None
     server: ServerConfig = field(default_factory=lambda: ServerConfig(model_name="onecopy"))
     report_period_s: float = 0.5
 
@@ -63,7 +64,8 @@ class EngineReplica:
         self.id, self.app_name, self.ingress = ctx.replica_id.unique_id, ctx.app_name, ingress
         self.spec = spec
         self.engine = Engine.load(spec.bundle, spec.device, max_sessions=spec.max_sessions, max_queue=spec.max_queue,
-                                  deterministic=spec.deterministic, prefix_cache=spec.prefix_cache)
+                                  deterministic=spec.deterministic, prefix_cache=spec.prefix_cache,
+                                  token_budget=spec.token_budget)
         self.app = create_app(self.engine, spec.server)
         self._lifespan = contextlib.AsyncExitStack()
         await self._lifespan.enter_async_context(lifespan(self.app))

@@ -159,7 +159,7 @@ class Engine:
              memory_budget: int | None = None, memory_fraction: float = 0.9, reserve_bytes: int | None = None,
              cuda_graphs: bool | None = None, deterministic: bool = False, decode_buckets: Sequence[int] | None = None,
              prefill_chunk: int | None = None, max_queue: int | None = None, max_batch: int | None = None,
-             prefix_cache: bool = True, kv_blocks: int | None = None) -> "Engine":
+             prefix_cache: bool = True, kv_blocks: int | None = None, token_budget: int | None = None) -> "Engine":
         """Validate the whole bundle, load each method and each needed weight once, allocate the state pool.
 
         ``max_sessions``: rows of the state pool (sessions open at once); by default sized from
@@ -175,7 +175,12 @@ class Engine:
         (the BLAS GEMM on CPU, cuBLAS past 16 rows on CUDA), batched. ``prefill_chunk`` (default 512)
         bounds the prompt tokens one prefill call takes; ``max_queue`` bounds requests waiting for a
         row (QueueFullError beyond; default unbounded); ``max_batch`` caps the sessions one decode
-        step takes (1 interleaves sessions one step each, the unbatched baseline).
+        step takes (1 interleaves sessions one step each, the unbatched baseline). ``token_budget``
+        (default None: one prefill chunk per iteration): tokens one iteration may take, a decoding
+        session counting one and a prefill chunk its length; the oldest prompt's chunk always runs, and
+        the next prompts' whole chunks join while the budget lasts, so a burst of prompts gets into the
+        state in fewer iterations while every decoding session still advances each one. Chunks are cut
+        the same whatever the budget (a prompt's bits never depend on it).
         ``prefix_cache`` (bundles with paged KV): a request starts on the KV blocks of the longest cached
         prefix of its prompt (another session's prompt, a finished conversation) and prefills only the
         rest; off in deterministic mode (prefilling the rest from another cut gives other bits) and for
@@ -218,7 +223,7 @@ class Engine:
                 max_sessions, deterministic = 1, False
             engine._setup(max_sessions, memory_budget, memory_fraction,
                           default_reserve(dev) if reserve_bytes is None else reserve_bytes, cuda_graphs, deterministic,
-                          decode_buckets, prefill_chunk, max_queue, max_batch, prefix_cache, kv_blocks)
+                          decode_buckets, prefill_chunk, max_queue, max_batch, prefix_cache, kv_blocks, token_budget)
         except BaseException:
             if engine is not None:
                 engine.close()
@@ -240,7 +245,7 @@ class Engine:
     def _setup(self, max_sessions: int | None, memory_budget: int | None, memory_fraction: float, reserve: int,
                cuda_graphs: bool | None, deterministic: bool, decode_buckets: Sequence[int] | None,
                prefill_chunk: int | None, max_queue: int | None, max_batch: int | None, prefix_cache: bool = False,
-               kv_blocks: int | None = None) -> None:
+               kv_blocks: int | None = None, token_budget: int | None = None) -> None:
         """Size the pool, build the runner (pool, sampler, decode step, graphs), the scheduler and its loop."""
         m = self.manifest
         if not m.state:
@@ -280,7 +285,7 @@ class Engine:
                  f", graphs for {self.runner.graph_buckets}" if self.runner.graph_buckets else "")
         chunk = min(prefill_chunk or DEFAULT_PREFILL_CHUNK, self.prefill_bound)
         self.scheduler = Scheduler(self, max_seq_len=m.max_seq_len, has_prefill=self.has_prefill, prefill_chunk=chunk,
-                                   max_queue=max_queue, max_batch=max_batch,
+                                   max_queue=max_queue, max_batch=max_batch, token_budget=token_budget,
                                    blocks=self if self.runner.blocks is not None else None)
         # Overlap step t+1 with step t's ids on CUDA; not with recurrent state: the step queued after a
         # stop id would advance it for good.

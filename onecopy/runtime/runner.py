@@ -155,15 +155,17 @@ class ModelRunner:
         self.sampler.release(row)
 
     def execute(self, plan: StepPlan, *, overlap: bool) -> Launched:
-        """Queue ``plan``'s device work: the prefill chunk, the decode step, sampling, the copy of the ids.
+        """Queue ``plan``'s device work: the prefill chunks, the decode step, sampling, the copy of the ids.
 
         With ``overlap`` on CUDA it returns before the ids reach the host, so the next step is queued
         while this one runs.
         """
-        logits: dict[int, torch.Tensor] = {}  # -1: the prefill chunk's, 0: the decode step's
-        if plan.prefill is not None:
-            p = plan.prefill
-            logits[-1] = self.prefill(p.row, p.start, p.tokens)
+        logits: dict[int, torch.Tensor] = {}  # -1 - i: prefill chunk i's (those sampled), 0: the decode step's
+        last = {-i for _, i in plan.sample if i < 0}  # 1 + the index of each chunk that ends its prompt
+        for i, p in enumerate(plan.prefills):
+            out = self.prefill(p.row, p.start, p.tokens)
+            if i + 1 in last:
+                logits[-1 - i] = out
         draw = self.sampler.plan(plan.sample_rows, plan.sample_positions, plan.sample_first) if plan.sample else None
         if plan.decode_rows:
             if plan.fed:
@@ -189,12 +191,12 @@ class ModelRunner:
     def _gather(self, plan: StepPlan, logits: dict[int, torch.Tensor]) -> torch.Tensor:
         """The logits rows to sample, [n, vocab], in the plan's sample order (usually the decode output as is)."""
         idx = [i for _, i in plan.sample]
-        if -1 not in idx:
+        if min(idx) >= 0:
             out = logits[0]
             if idx == list(range(out.shape[0])):
                 return out
             return out.index_select(0, to_device(torch.tensor(idx), out.device))
-        return torch.cat([logits[-1] if i < 0 else logits[0][i:i + 1] for i in idx])
+        return torch.cat([logits[i] if i < 0 else logits[0][i:i + 1] for i in idx])
 
     # -- lifetime -----------------------------------------------------------------------------------
     def close(self) -> None:

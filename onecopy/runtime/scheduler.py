@@ -5,7 +5,10 @@ Each iteration (driven by `loop.EngineLoop`):
 1. `admit` drops cancelled requests and gives waiting ones a row (a session) each;
 2. `schedule` plans one step: one chunk of the oldest request still reading its prompt
    (``prefill_chunk`` tokens, cut from the prompt's start, so the cut never depends on other
-   requests; a long prompt advances one chunk per iteration while the others keep decoding), one
+   requests; a long prompt advances one chunk per iteration while the others keep decoding), and
+   with a ``token_budget`` more chunks (of the next requests reading prompts) while the step's
+   tokens (one per decoding session, plus the chunks') stay within it, as vLLM and SGLang budget
+   an iteration: many sessions' prompts get into the state without starving decode; one
    batched decode step for every generating session (bundles without a prefill method feed prompts
    through this step too, a token per iteration), and which rows' logits are sampled;
 3. the model runner executes the plan (`runner.ModelRunner.execute`);
@@ -83,14 +86,19 @@ class PrefillChunk:
 class StepPlan:
     """One iteration's device work, decided by `Scheduler.schedule` and executed by the model runner."""
 
-    prefill: PrefillChunk | None = None
+    prefills: list[PrefillChunk] = field(default_factory=list)  # run first, in this order
     decode_rows: list[int] = field(default_factory=list)  # one batched decode step over these rows...
     decode_positions: list[int] = field(default_factory=list)  # ...at these positions
     fed: list[tuple[int, int]] = field(default_factory=list)  # (row, prompt id): its decode input is this id
-    # Whose logits are sampled, in this order: (request, index into the decode rows, or -1: the prefill's).
+    # Whose logits are sampled, in this order: (request, index into the decode rows, or -1 - i: prefills[i]'s).
     sample: list[tuple[Request, int]] = field(default_factory=list)
     sample_positions: list[int] = field(default_factory=list)  # each sampled row's position after the step
     sample_first: list[bool] = field(default_factory=list)  # its request's first sampled token
+
+    @property
+    def prefill(self) -> PrefillChunk | None:
+        """The first prefill chunk (the only one without a token budget), or None."""
+        return self.prefills[0] if self.prefills else None
 
     @property
     def sampled(self) -> list[Request]:
@@ -140,6 +148,7 @@ class SchedulerStats:
     decode_steps: int = 0
     decode_rows: int = 0  # sessions decoded, summed over the steps (rows / steps: the mean batch)
     prefill_chunks: int = 0
+    prefill_steps: int = 0  # steps with a prefill chunk (fewer than the chunks with a token budget)
 
 
 class Scheduler:
@@ -152,15 +161,18 @@ class Scheduler:
 
     def __init__(self, rows: Rows, *, max_seq_len: int, has_prefill: bool, prefill_chunk: int,
                  max_queue: int | None = None, max_batch: int | None = None,
-                 blocks: BlockAdmission | None = None) -> None:
+                 blocks: BlockAdmission | None = None, token_budget: int | None = None) -> None:
         if prefill_chunk < 1:
             raise InputError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if token_budget is not None and token_budget < 1:
+            raise InputError(f"token_budget must be >= 1 (tokens per iteration), got {token_budget}")
         if max_queue is not None and max_queue < 0:
             raise InputError(f"max_queue must be >= 0, got {max_queue}")
         if max_batch is not None and max_batch < 1:
             raise InputError(f"max_batch must be >= 1, got {max_batch}")
         self.rows, self.max_seq_len, self.has_prefill = rows, max_seq_len, has_prefill
         self.prefill_chunk, self.max_queue, self.max_batch = prefill_chunk, max_queue, max_batch
+        self.token_budget = token_budget
         self.stats = SchedulerStats()
         self.reclaimer: Reclaimer | None = None
         self.blocks = blocks  # paged KV: a request is admitted only when its blocks are there
@@ -269,25 +281,16 @@ class Scheduler:
         if not self._running:
             return None
         plan = StepPlan()
-        if self.has_prefill:
-            req = next((r for r in self._running if r.reading_prompt), None)
-            if req is not None:
-                chunk = req.prompt[req.fed:req.fed + self.prefill_chunk]
-                plan.prefill = PrefillChunk(req, req.session.row, req.session.position, chunk)
-                req.fed += len(chunk)
-                req.session.position += len(chunk)
-                self.stats.prefill_chunks += 1
-                if not req.reading_prompt:
-                    plan.sample.append((req, -1))
-                    plan.sample_positions.append(req.session.position)
-                    if self.blocks is not None:
-                        self.blocks.prefilled(req)
+        # The decode step's sessions, chosen before any prompt advances (a prompt that ends in this
+        # step's chunk is sampled from its chunk, and decodes from the next step on).
         step = [r for r in self._running if not r.exhausted and (not r.reading_prompt and r.launched > 0
                                                                   or (not self.has_prefill and r.reading_prompt))]
         if self.max_batch is not None and len(step) > self.max_batch:
             k = self._rotation % len(step)
             step = (step[k:] + step[:k])[:self.max_batch]
             self._rotation += self.max_batch
+        if self.has_prefill:
+            self._plan_prefills(plan, len(step))
         for i, r in enumerate(step):
             plan.decode_rows.append(r.session.row)
             plan.decode_positions.append(r.session.position)
@@ -304,7 +307,7 @@ class Scheduler:
             self.stats.decode_steps += 1
             self.stats.decode_rows += len(step)
         if not plan.sample:
-            return plan if plan.prefill or step else None
+            return plan if plan.prefills or step else None
         for req, _ in plan.sample:
             plan.sample_first.append(req.launched == 0)
             req.launched += 1
@@ -312,6 +315,28 @@ class Scheduler:
             # Known now, without the id: this was the request's last token (the stop ids wait for the id).
             req.exhausted = req.launched >= req.params.max_new_tokens or req.session.position >= self.max_seq_len
         return plan
+
+    def _plan_prefills(self, plan: StepPlan, decoding: int) -> None:
+        """The step's prefill chunks: the oldest prompt's next chunk, then (with a token budget) the next
+        prompts' while the step's tokens fit. A chunk is always a whole ``prefill_chunk`` cut (or a
+        prompt's rest): the budget decides which prompts advance, never where a prompt is cut."""
+        budget = (self.token_budget or 0) - decoding
+        chunks = self.stats.prefill_chunks
+        for req in [r for r in self._running if r.reading_prompt]:
+            chunk = req.prompt[req.fed:req.fed + self.prefill_chunk]
+            if plan.prefills and len(chunk) > budget:
+                break  # in admission order: a later, shorter chunk does not overtake this one
+            budget -= len(chunk)
+            plan.prefills.append(PrefillChunk(req, req.session.row, req.session.position, chunk))
+            req.fed += len(chunk)
+            req.session.position += len(chunk)
+            self.stats.prefill_chunks += 1
+            if not req.reading_prompt:
+                plan.sample.append((req, -len(plan.prefills)))
+                plan.sample_positions.append(req.session.position)
+                if self.blocks is not None:
+                    self.blocks.prefilled(req)
+        self.stats.prefill_steps += self.stats.prefill_chunks > chunks
 
     def update(self, plan: StepPlan, ids: Sequence[int]) -> list[tuple[Request, int]]:
         """The sampled ids of ``plan`` (in its sample order): the (request, id) pairs to stream; requests
