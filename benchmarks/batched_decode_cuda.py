@@ -114,26 +114,33 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--sessions", default="1,4,16,64")
     ap.add_argument("--modes", default="batched,unbatched,transformers", help="also: deterministic")
+    ap.add_argument("--kv-dtype", default="bf16", choices=["bf16", "int8", "fp8"],
+                    help="the KV cache's storage when the bundle is exported here")
+    ap.add_argument("--token-budget", type=int, help="Engine.load(token_budget=): several prompts' prefill chunks "
+                    "per iteration (at 128+ sessions one chunk per iteration outlasts the first sessions' decode)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     counts = [int(x) for x in a.sessions.split(",")]
     modes = a.modes.split(",")
     res: dict = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(),
                  "torch": torch.__version__, "source": a.source, "max_seq_len": a.max_seq_len,
-                 "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "results": {}}
+                 "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "kv_dtype": a.kv_dtype, "token_budget": a.token_budget,
+                 "results": {}}
     bundle = Path(a.bundle)
     if not (bundle / "manifest.json").is_file():
         t0 = time.perf_counter()
-        onecopy.export(a.source, bundle, max_seq_len=a.max_seq_len, device="cuda", overwrite=True, progress=False)
+        onecopy.export(a.source, bundle, max_seq_len=a.max_seq_len, device="cuda", overwrite=True, progress=False,
+                       kv_dtype=a.kv_dtype)
         res["export_s"] = round(time.perf_counter() - t0, 1)
         print("exported in", res["export_s"], "s", flush=True)
     vocab = resolve_source(a.source).config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = {s: torch.randint(0, vocab - 1, (s, a.prompt_len), generator=g).tolist() for s in counts}
     t0 = time.perf_counter()
-    engine = onecopy.Engine.load(bundle, "cuda", max_sessions=max(counts))
+    engine = onecopy.Engine.load(bundle, "cuda", max_sessions=max(counts), token_budget=a.token_budget)
     res["load_s"] = round(time.perf_counter() - t0, 1)
     res["memory_report"] = str(engine.memory_report())
+    res["kv_storage"] = engine.memory_report().kv_dtype  # what the bundle holds (a reused one may differ from --kv-dtype)
     r = engine.memory_report()
     res["memory"] = {"weights_bytes": r.resident_weight_bytes, "pool_bytes": r.pool_bytes, "pool_rows": r.pool_rows,
                      "graph_buckets": r.graph_buckets, "graphs_and_runners_bytes": r.graph_bytes,
@@ -146,7 +153,8 @@ def main() -> None:
         res["results"][mode] = {}
         if mode == "deterministic":  # its own engine, alone on the device
             engine.close()
-            engine = onecopy.Engine.load(bundle, "cuda", max_sessions=max(counts), deterministic=True)
+            engine = onecopy.Engine.load(bundle, "cuda", max_sessions=max(counts), deterministic=True,
+                                         token_budget=a.token_budget)
             res["deterministic_decode_method"] = engine.role_method("decode")
             run_onecopy(engine, prompts[counts[0]][:1], 8)
         if mode == "transformers":
