@@ -25,27 +25,12 @@ import triton
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from attention_cuda import bench, copy_bandwidth  # noqa: E402  (this folder: the same timing as its table)
+
 from onecopy import kernels  # noqa: E402
 from onecopy.models import kv_quant  # noqa: E402
 
 HQ, HKV, D, BS, POOL = 32, 8, 128, 16, 4096
-
-
-def bench(fn) -> float:
-    """Median ms of a CUDA-graph replay of fn (launch gaps excluded, as in the engine's decode graphs)."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median")
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=20, rep=200, return_mode="median")
-    return 2 * x.numel() / (ms / 1000)
 
 
 def case(batch: int, context: int, fmt: str) -> dict:
