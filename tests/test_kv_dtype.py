@@ -33,9 +33,14 @@ def kv_bundle(request, tmp_path_factory, tiny_source):
 
 
 @pytest.fixture(scope="module")
-def int8_bundle(tmp_path_factory, tiny_source):
-    out = tmp_path_factory.mktemp("bundles") / "tiny-kv-int8-only"
-    return onecopy.export(tiny_source, out, max_seq_len=TINY_MAX_SEQ_LEN, kv_dtype="int8", progress=False)
+def int8_bundle(tmp_path_factory):
+    """Exported by the command line, as a user would."""
+    out = tmp_path_factory.mktemp("bundles") / "tiny-kv-int8-cli"
+    r = subprocess.run([sys.executable, "-m", "onecopy.cli", "export", "tiny-llama", "--out", str(out), "--max-seq-len",
+                        str(TINY_MAX_SEQ_LEN), "--kv-dtype", "int8"], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr
+    assert read_manifest(out).state["layers.0.attention.k_cache"].dtype == "int8"
+    return out
 
 
 def _run(engine, prompt, steps):
