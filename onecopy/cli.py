@@ -280,8 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-sessions", type=int, help="requests generated at once (rows of the state pool)")
     v.add_argument("--max-queue", type=int, default=64, help="requests waiting for a row before 429 (default 64)")
     v.add_argument("--token-budget", type=int, metavar="TOKENS",
-                   help="tokens one scheduler iteration may take (a decoding session: 1, a prefill chunk: its length; "
-                        "e.g. 4096): several prompts' chunks per iteration instead of one (default)")
+                   help="prefill chunks of several prompts per scheduler iteration while the iteration's tokens (a "
+                        "decoding session: 1, a chunk: its length) fit, e.g. 4096; the oldest prompt's chunk and every "
+                        "decoding session always run (default: one chunk per iteration)")
     v.add_argument("--model-name", help="the model id clients use (default: the source's name)")
     v.add_argument("--deterministic", action="store_true",
                    help="batch-invariant decoding: a session's tokens never depend on its neighbours")

@@ -98,6 +98,9 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
         kv_storage = kv_quant.kv_dtype(kv_dtype)
     except ValueError as e:
         raise ExportError(f"{e} (--kv-dtype)") from None
+    if kv_storage == torch.float8_e4m3fn and device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        raise ExportError(f"kv_dtype='fp8' needs a GPU of compute capability 8.9 or newer (Ada, Hopper), this one is "
+                          f"{'.'.join(map(str, torch.cuda.get_device_capability()))}; use kv_dtype='int8' (--kv-dtype int8)")
     if kv_storage is not None and kv_block is None:
         raise ExportError(f"kv_dtype={kv_dtype!r} needs paged KV: an 8-bit cache is read through blocks; drop "
                           "kv_block=None (--kv-block none)")

@@ -38,7 +38,8 @@ def _kernels():
                      PAGED: tl.constexpr, BS: tl.constexpr, KS, VS, stride_sp, stride_sh, QMAX: tl.constexpr):
         # QMAX > 0: an 8-bit cache (models.kv_quant; 127 int8, 448 fp8) with a float32 scale per position and
         # head in KS/VS [NB, Hkv, BS]: values convert exactly to q's dtype, the K scale multiplies the scores
-        # and the V scale the probabilities. QMAX = 0 compiles to the code from before 8-bit caches.
+        # and the V scale the probabilities (those times V in bf16 whatever q's dtype: scaled, fp16 probabilities
+        # underflow). QMAX = 0 compiles to the code from before 8-bit caches.
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -108,33 +109,34 @@ def _kernels():
                 v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=nmask[:, None], other=0.0)
             if QMAX > 0:
                 pv = p * tl.load(vs_base + blk * stride_sp + offs_n % BS, mask=nmask, other=0.0)[None, :]
-                acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype))
+                acc = acc * alpha[:, None] + tl.dot(pv.to(tl.bfloat16), v.to(tl.bfloat16))
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         if NEW:
-            if own and QMAX > 0:  # the same with the new k/v quantized first: what later steps will read
-                kf, vf = k_new.to(tl.float32), v_new.to(tl.float32)
-                k_sc = tl.maximum(tl.max(tl.abs(kf), 0), 1e-30) / QMAX
-                v_sc = tl.maximum(tl.max(tl.abs(vf), 0), 1e-30) / QMAX
-                yk, yv = kf / k_sc, vf / v_sc
-                if QMAX == 127.0:  # int8: round half to even (adding 1.5 * 2**23 drops the fraction so), clamp
-                    yk = tl.minimum(tl.maximum((yk + 12582912.0) - 12582912.0, -127.0), 127.0)
-                    yv = tl.minimum(tl.maximum((yv + 12582912.0) - 12582912.0, -127.0), 127.0)
-                k_q, v_q = yk.to(K.dtype.element_ty), yv.to(V.dtype.element_ty)  # fp8: round to nearest even
-                s_new = tl.sum(q.to(tl.float32) * k_q.to(tl.float32)[None, :], 1) * SCALE * k_sc
-                m_new = tl.maximum(m_i, s_new)
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(s_new - m_new)
-                l_i = l_i * alpha + p
-                pv = (p * v_sc).to(q.dtype).to(tl.float32)
-                acc = acc * alpha[:, None] + pv[:, None] * v_q.to(tl.float32)[None, :]
-                m_i = m_new
-                blk_cur = tl.load(tab + cur // BS)
-                tl.store(k_base + blk_cur * stride_kp + (cur % BS) * stride_ks + offs_d, k_q)
-                tl.store(v_base + blk_cur * stride_vp + (cur % BS) * stride_vs + offs_d, v_q)
-                tl.store(ks_base + blk_cur * stride_sp + cur % BS, k_sc)
-                tl.store(vs_base + blk_cur * stride_sp + cur % BS, v_sc)
+            if QMAX > 0:  # constexpr first: with QMAX = 0 nothing below is compiled
+                if own:  # the same with the new k/v quantized first: what later steps will read
+                    kf, vf = k_new.to(tl.float32), v_new.to(tl.float32)
+                    k_sc = tl.maximum(tl.max(tl.abs(kf), 0), 1e-30) / QMAX
+                    v_sc = tl.maximum(tl.max(tl.abs(vf), 0), 1e-30) / QMAX
+                    yk, yv = kf / k_sc, vf / v_sc
+                    if QMAX == 127.0:  # int8: round half to even (adding 1.5 * 2**23 drops the fraction so), clamp
+                        yk = tl.minimum(tl.maximum((yk + 12582912.0) - 12582912.0, -127.0), 127.0)
+                        yv = tl.minimum(tl.maximum((yv + 12582912.0) - 12582912.0, -127.0), 127.0)
+                    k_q, v_q = yk.to(K.dtype.element_ty), yv.to(V.dtype.element_ty)  # fp8: round to nearest even
+                    s_new = tl.sum(q.to(tl.float32) * k_q.to(tl.float32)[None, :], 1) * SCALE * k_sc
+                    m_new = tl.maximum(m_i, s_new)
+                    alpha = tl.exp(m_i - m_new)
+                    p = tl.exp(s_new - m_new)
+                    l_i = l_i * alpha + p
+                    pv = (p * v_sc).to(tl.bfloat16).to(tl.float32)
+                    acc = acc * alpha[:, None] + pv[:, None] * v_q.to(tl.float32)[None, :]
+                    m_i = m_new
+                    blk_cur = tl.load(tab + cur // BS)
+                    tl.store(k_base + blk_cur * stride_kp + (cur % BS) * stride_ks + offs_d, k_q)
+                    tl.store(v_base + blk_cur * stride_vp + (cur % BS) * stride_vs + offs_d, v_q)
+                    tl.store(ks_base + blk_cur * stride_sp + cur % BS, k_sc)
+                    tl.store(vs_base + blk_cur * stride_sp + cur % BS, v_sc)
             elif own:  # the new key last, as the loop would have taken it; then it is cached
                 s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * SCALE
                 m_new = tl.maximum(m_i, s_new)

@@ -30,7 +30,8 @@ def _prefill_kernel():
                        QUANT: tl.constexpr):
         # QUANT: an 8-bit paged cache (models.kv_quant), a float32 scale per position and head in KS/VS
         # [NB, Hkv, BS]; values convert exactly to q's dtype, the K scale multiplies the scores and the V
-        # scale the probabilities. QUANT False compiles to the code from before 8-bit caches.
+        # scale the probabilities (those times V in bf16 whatever q's dtype: scaled, fp16 probabilities
+        # underflow). QUANT False compiles to the code from before 8-bit caches.
         mb = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last) query blocks start first
         h = tl.program_id(1)
         row = tl.load(ROWS)
@@ -79,7 +80,7 @@ def _prefill_kernel():
                 v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :])
             if QUANT:
                 pv = p * tl.load(vs_base + blk * stride_sp + offs_n % BS)[None, :]
-                acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype))
+                acc = acc * alpha[:, None] + tl.dot(pv.to(tl.bfloat16), v.to(tl.bfloat16))
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
@@ -109,7 +110,7 @@ def _prefill_kernel():
                 v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=nmask[:, None], other=0.0)
             if QUANT:
                 pv = p * tl.load(vs_base + blk * stride_sp + offs_n % BS, mask=nmask, other=0.0)[None, :]
-                acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype))
+                acc = acc * alpha[:, None] + tl.dot(pv.to(tl.bfloat16), v.to(tl.bfloat16))
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new

@@ -180,7 +180,8 @@ class Engine:
         session counting one and a prefill chunk its length; the oldest prompt's chunk always runs, and
         the next prompts' whole chunks join while the budget lasts, so a burst of prompts gets into the
         state in fewer iterations while every decoding session still advances each one. Chunks are cut
-        the same whatever the budget (a prompt's bits never depend on it).
+        the same whatever the budget (a prompt's bits never depend on it). Bundles without a prefill
+        method (prompts go through decode) ignore it.
         ``prefix_cache`` (bundles with paged KV): a request starts on the KV blocks of the longest cached
         prefix of its prompt (another session's prompt, a finished conversation) and prefills only the
         rest; off in deterministic mode (prefilling the rest from another cut gives other bits) and for

@@ -92,7 +92,7 @@ def test_q8_rope_kernel_quantizes_the_new_kv_into_the_right_page(fmt):
         written = torch.zeros(p, s, dtype=torch.bool)
         written[rows.cpu(), pos.cpu()] = True
         r_idx, p_idx = written.nonzero(as_tuple=True)
-        for pages, scales, full, old in ((kq, ks, k_ref, before[0]), (vq, vs, v_ref, before[1])):
+        for pages, scales, full, old, old_s in ((kq, ks, k_ref, before[0], before[2]), (vq, vs, v_ref, before[1], before[3])):
             q_rows, s_rows = _rows(pages, table).cpu(), _rows(scales, table).cpu()  # [P, H, S, D], [P, H, S]
             q_new, s_new = q_rows[r_idx, :, p_idx], s_rows[r_idx, :, p_idx]  # [n, H, D], [n, H]
             want = full[r_idx, :, p_idx]  # the float64 RoPE'd k (or the v) the reference wrote
@@ -104,9 +104,41 @@ def test_q8_rope_kernel_quantizes_the_new_kv_into_the_right_page(fmt):
             old_rows = _rows(old, table).cpu()
             assert torch.equal(q_rows.permute(0, 2, 1, 3)[~written].view(torch.uint8),
                                old_rows.permute(0, 2, 1, 3)[~written].view(torch.uint8))  # nothing else written
+            assert torch.equal(s_rows.permute(0, 2, 1)[~written], _rows(old_s, table).cpu().permute(0, 2, 1)[~written])
         spare = torch.ones(kq.shape[0], dtype=torch.bool, device="cuda")
         spare[table.flatten()] = False
-        assert torch.equal(kq[spare].view(torch.uint8), before[0][spare].view(torch.uint8))
+        for now, was in zip((kq, vq, ks, vs), before):
+            assert torch.equal(now[spare].view(torch.uint8), was[spare].view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_q8_rope_kernel_stores_what_kv_quant_stores(fmt):
+    """With RoPE the identity (cos 1, sin 0) the new k is the qkv row's k as is: the kernel's 8-bit values and
+    scales equal kv_quant.quantize's of it (int8 rounded half to even, not truncated; at most a rare tie off by
+    one step: the kernel's fp32 division is not correctly rounded)."""
+    from onecopy import kernels
+
+    dtype, bs, hq, hkv, d, s = kv_quant.KV_DTYPES[fmt], 16, 32, 8, 128, 256
+    torch.manual_seed(1)
+    b = 64
+    qkv = torch.randn(b, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+    cos, sin = torch.ones(b, d, device="cuda", dtype=torch.bfloat16), torch.zeros(b, d, device="cuda", dtype=torch.bfloat16)
+    p = b + 1
+    table = torch.randperm(p * s // bs, device="cuda").view(p, s // bs)
+    kq = torch.zeros(p * s // bs, hkv, bs, d, device="cuda", dtype=dtype)
+    vq, ks, vs = torch.zeros_like(kq), torch.zeros(kq.shape[:3], device="cuda"), torch.zeros(kq.shape[:3], device="cuda")
+    rows, pos = torch.arange(b, device="cuda"), torch.randint(0, s, (b,), device="cuda")
+    kernels.paged_decode_attention_rope_q8(qkv, cos, sin, kq, vq, ks, vs, table, rows, pos)
+    new_k, new_v = qkv[:, hq * d:].view(b, 2, hkv, d).unbind(1)
+    for pages, scales, x in ((kq, ks, new_k), (vq, vs, new_v)):
+        want_q, want_s = kv_quant.quantize(x, dtype)  # [b, hkv, d], [b, hkv]
+        got_q, got_s = _rows(pages, table)[rows, :, pos], _rows(scales, table)[rows, :, pos]
+        torch.testing.assert_close(got_s, want_s, rtol=1e-6, atol=0)
+        diff = (got_q.float() - want_q.float()).abs()
+        if fmt == "int8":
+            assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3, ((diff > 0).sum(), diff.numel())
+        else:
+            assert ((diff > 0).float().mean() < 1e-3), (diff > 0).sum()
 
 
 @pytest.fixture(scope="module", params=FORMATS)
