@@ -65,8 +65,6 @@ def attend_pooled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step,
     """
     if step.table is not None:
         return attend_paged(q, k, v, step, cache)
-    if cache.quantized:
-        raise ValueError("an 8-bit KV cache is paged: export with a kv_block")
     k_pool, v_pool = cache.k, cache.v
     if step.decode:
         write_rows(k_pool, step.rows, step.input_pos, k[:, 0])

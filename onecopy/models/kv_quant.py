@@ -24,16 +24,12 @@ TINY = 1e-30  # an all-zero vector gets this scale over QMAX: its values quantiz
 
 
 def kv_dtype(name: str | None) -> torch.dtype | None:
-    """The storage dtype for ``--kv-dtype`` ``name`` (None, "auto" or "bf16": the model's own dtype)."""
-    if name in (None, "auto", "bf16", "model"):
+    """The storage dtype for ``--kv-dtype`` ``name`` (None or "bf16": the model's own dtype)."""
+    if name in (None, "bf16"):
         return None
     if name not in KV_DTYPES:
         raise ValueError(f"kv_dtype={name!r}: choose one of {', '.join(KV_DTYPES)} (or bf16, the model's dtype)")
     return KV_DTYPES[name]
-
-
-def is_quantized(dtype: torch.dtype) -> bool:
-    return dtype in QMAX
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -166,6 +166,8 @@ class Transformer(PooledModel):
     module keeps: the eager reference the tests compare against.
     """
 
+    kv_dtype: torch.dtype | None = None  # an 8-bit KV cache's storage dtype (set before export); None: self.dtype
+
     def __init__(self, cfg: LlamaConfig, max_seq_len: int, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config, self.max_seq_len, self.dtype = cfg, max_seq_len, dtype
@@ -178,8 +180,6 @@ class Transformer(PooledModel):
         self.register_buffer("rope_inv_freq", inv_freq)
         self.to(dtype)
         self.rope_inv_freq.data = inv_freq  # RoPE angles stay in fp32 whatever the model dtype
-
-    kv_dtype: torch.dtype | None = None  # an 8-bit KV cache's storage dtype (set before export); None: self.dtype
 
     def state_specs(self) -> dict[str, tuple[list[int], torch.dtype]]:
         """Each state tensor's shape and dtype: every layer's K and V cache, per session row, or per block

@@ -160,12 +160,9 @@ class ModelRunner:
         With ``overlap`` on CUDA it returns before the ids reach the host, so the next step is queued
         while this one runs.
         """
-        logits: dict[int, torch.Tensor] = {}  # -1 - i: prefill chunk i's (those sampled), 0: the decode step's
-        last = {-i for _, i in plan.sample if i < 0}  # 1 + the index of each chunk that ends its prompt
+        logits: dict[int, torch.Tensor] = {}  # -1 - i: prefill chunk i's, 0: the decode step's
         for i, p in enumerate(plan.prefills):
-            out = self.prefill(p.row, p.start, p.tokens)
-            if i + 1 in last:
-                logits[-1 - i] = out
+            logits[-1 - i] = self.prefill(p.row, p.start, p.tokens)
         draw = self.sampler.plan(plan.sample_rows, plan.sample_positions, plan.sample_first) if plan.sample else None
         if plan.decode_rows:
             if plan.fed:

@@ -321,7 +321,6 @@ class Scheduler:
         prompts' while the step's tokens fit. A chunk is always a whole ``prefill_chunk`` cut (or a
         prompt's rest): the budget decides which prompts advance, never where a prompt is cut."""
         budget = (self.token_budget or 0) - decoding
-        chunks = self.stats.prefill_chunks
         for req in [r for r in self._running if r.reading_prompt]:
             chunk = req.prompt[req.fed:req.fed + self.prefill_chunk]
             if plan.prefills and len(chunk) > budget:
@@ -336,7 +335,7 @@ class Scheduler:
                 plan.sample_positions.append(req.session.position)
                 if self.blocks is not None:
                     self.blocks.prefilled(req)
-        self.stats.prefill_steps += self.stats.prefill_chunks > chunks
+        self.stats.prefill_steps += bool(plan.prefills)
 
     def update(self, plan: StepPlan, ids: Sequence[int]) -> list[tuple[Request, int]]:
         """The sampled ids of ``plan`` (in its sample order): the (request, id) pairs to stream; requests

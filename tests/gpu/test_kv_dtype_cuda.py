@@ -8,24 +8,20 @@ import torch
 import onecopy
 from onecopy.models import kv_quant
 
-from .test_cuda import REQUESTS, _alone, _rope_inputs, _rope_write_attend_float64, _steps
+from .test_cuda import REQUESTS, _alone, _rope_inputs, _rope_write_attend_float64, _rows_of, _steps
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 FORMATS = ["int8", "fp8"]
 
 
 def _pages(pool, bs, table):
-    """Rows [P, H, S, *rest] (any dtype) as pages [P S / bs + 3, H, bs, *rest] laid out by ``table``."""
+    """Rows [P, H, S, *rest] (any dtype) as pages [P S / bs + 3, H, bs, *rest] laid out by ``table`` (test_cuda's
+    `_paged` for 8-bit values and scales; `_rows_of` reads them back)."""
     p, h, s = pool.shape[:3]
     rest = pool.shape[3:]
     pages = torch.zeros(p * (s // bs) + 3, h, bs, *rest, device=pool.device, dtype=pool.dtype)
     pages[table.flatten()] = pool.view(p, h, s // bs, bs, *rest).transpose(1, 2).flatten(0, 1)
     return pages
-
-
-def _rows(pages, table):
-    """The rows [P, H, NBMAX bs, *rest] a block table reads from pages (the inverse of `_pages`)."""
-    return pages[table].transpose(1, 2).flatten(2, 3)
 
 
 def _quantized_pages(pool, dtype, bs, table):
@@ -93,7 +89,7 @@ def test_q8_rope_kernel_quantizes_the_new_kv_into_the_right_page(fmt):
         written[rows.cpu(), pos.cpu()] = True
         r_idx, p_idx = written.nonzero(as_tuple=True)
         for pages, scales, full, old, old_s in ((kq, ks, k_ref, before[0], before[2]), (vq, vs, v_ref, before[1], before[3])):
-            q_rows, s_rows = _rows(pages, table).cpu(), _rows(scales, table).cpu()  # [P, H, S, D], [P, H, S]
+            q_rows, s_rows = _rows_of(pages, table).cpu(), _rows_of(scales, table).cpu()  # [P, H, S, D], [P, H, S]
             q_new, s_new = q_rows[r_idx, :, p_idx], s_rows[r_idx, :, p_idx]  # [n, H, D], [n, H]
             want = full[r_idx, :, p_idx]  # the float64 RoPE'd k (or the v) the reference wrote
             got = kv_quant.dequantize(q_new, s_new).double()
@@ -101,10 +97,10 @@ def test_q8_rope_kernel_quantizes_the_new_kv_into_the_right_page(fmt):
             tol = sc * 0.5 if fmt == "int8" else want.abs() * 2**-4 + sc * 2**-9
             assert ((got - want).abs() <= tol + 0.02).all(), fmt  # + the bf16 RoPE's rounding
             assert (q_new.float().abs().amax(-1) == qmax).all()  # each vector's largest value hits QMAX
-            old_rows = _rows(old, table).cpu()
+            old_rows = _rows_of(old, table).cpu()
             assert torch.equal(q_rows.permute(0, 2, 1, 3)[~written].view(torch.uint8),
                                old_rows.permute(0, 2, 1, 3)[~written].view(torch.uint8))  # nothing else written
-            assert torch.equal(s_rows.permute(0, 2, 1)[~written], _rows(old_s, table).cpu().permute(0, 2, 1)[~written])
+            assert torch.equal(s_rows.permute(0, 2, 1)[~written], _rows_of(old_s, table).cpu().permute(0, 2, 1)[~written])
         spare = torch.ones(kq.shape[0], dtype=torch.bool, device="cuda")
         spare[table.flatten()] = False
         for now, was in zip((kq, vq, ks, vs), before):
@@ -132,7 +128,7 @@ def test_q8_rope_kernel_stores_what_kv_quant_stores(fmt):
     new_k, new_v = qkv[:, hq * d:].view(b, 2, hkv, d).unbind(1)
     for pages, scales, x in ((kq, ks, new_k), (vq, vs, new_v)):
         want_q, want_s = kv_quant.quantize(x, dtype)  # [b, hkv, d], [b, hkv]
-        got_q, got_s = _rows(pages, table)[rows, :, pos], _rows(scales, table)[rows, :, pos]
+        got_q, got_s = _rows_of(pages, table)[rows, :, pos], _rows_of(scales, table)[rows, :, pos]
         torch.testing.assert_close(got_s, want_s, rtol=1e-6, atol=0)
         diff = (got_q.float() - want_q.float()).abs()
         if fmt == "int8":
