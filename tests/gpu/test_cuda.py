@@ -229,10 +229,11 @@ def _rope_inputs(b, hq, hkv, d, s):
     return qkv, cos, sin, kp, torch.randn_like(kp)
 
 
-def _rope_write_attend_float64(qkv, cos, sin, kp_ref, vp_ref, rows, positions, hq, hkv):
+def _rope_write_attend_float64(qkv, cos, sin, kp_ref, vp_ref, rows, positions, hq, hkv, written=None):
     """The float64 reference of the decode-with-RoPE kernels: RoPE on q and the new k of each row of
     ``qkv`` [B, (hq + 2 hkv) D], the new k/v written into ``kp_ref``/``vp_ref`` (float64 row pools, in
-    place) at row rows[i], position positions[i], and q's attention through that position."""
+    place) at row rows[i], position positions[i], and q's attention through that position. ``written``:
+    the (k, v) [B, Hkv, D] to cache instead (an 8-bit kernel's stored values, dequantized)."""
     from onecopy.models.attention import pooled_attention
     from onecopy.models.layers import rotate_half
 
@@ -241,6 +242,8 @@ def _rope_write_attend_float64(qkv, cos, sin, kp_ref, vp_ref, rows, positions, h
     c, sn = cos.cpu().double()[:, None], sin.cpu().double()[:, None]
     q, k, v = q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d)
     q, k = q * c + rotate_half(q) * sn, k * c + rotate_half(k) * sn
+    if written is not None:
+        k, v = written
     for i, (r, p) in enumerate(zip(rows.tolist(), positions)):
         kp_ref[r, :, p], vp_ref[r, :, p] = k[i], v[i]
     return pooled_attention(q, kp_ref, vp_ref, rows.cpu(), torch.tensor(positions) + 1)

@@ -65,7 +65,7 @@ def test_q8_decode_and_prefill_kernels_match_float64_of_the_dequantized_cache(fm
 def test_q8_rope_kernel_quantizes_the_new_kv_into_the_right_page(fmt):
     """The decode kernel with RoPE and the cache write, 8-bit: each new k/v stored as kv_quant stores it
     (its scale max|x| / QMAX, the values within a step of the float64 RoPE result), nothing else written,
-    and the attention within 2e-2 of float64 over the dequantized cache."""
+    and the attention within 1e-2 of float64 over the dequantized cache, the new position's stored k/v included."""
     from onecopy import kernels
 
     dtype, bs, qmax = kv_quant.KV_DTYPES[fmt], 16, kv_quant.QMAX[kv_quant.KV_DTYPES[fmt]]
@@ -82,12 +82,12 @@ def test_q8_rope_kernel_quantizes_the_new_kv_into_the_right_page(fmt):
         rows = torch.tensor(list(range(b, 0, -1)), device="cuda")
         pos = torch.tensor(positions, device="cuda")
         out = kernels.paged_decode_attention_rope_q8(qkv, cos, sin, kq, vq, ks, vs, table, rows, pos)
-        ref = _rope_write_attend_float64(qkv, cos, sin, k_ref, v_ref, rows, positions, hq, hkv)
-        err = float((out.cpu().double() - ref).norm() / ref.norm())
-        assert err < 2e-2, (fmt, hq, hkv, d, s, err)
+        k_st, v_st = k_ref.clone(), v_ref.clone()
+        _rope_write_attend_float64(qkv, cos, sin, k_ref, v_ref, rows, positions, hq, hkv)  # the exact new k/v
         written = torch.zeros(p, s, dtype=torch.bool)
         written[rows.cpu(), pos.cpu()] = True
         r_idx, p_idx = written.nonzero(as_tuple=True)
+        stored = []
         for pages, scales, full, old, old_s in ((kq, ks, k_ref, before[0], before[2]), (vq, vs, v_ref, before[1], before[3])):
             q_rows, s_rows = _rows_of(pages, table).cpu(), _rows_of(scales, table).cpu()  # [P, H, S, D], [P, H, S]
             q_new, s_new = q_rows[r_idx, :, p_idx], s_rows[r_idx, :, p_idx]  # [n, H, D], [n, H]
@@ -101,6 +101,12 @@ def test_q8_rope_kernel_quantizes_the_new_kv_into_the_right_page(fmt):
             assert torch.equal(q_rows.permute(0, 2, 1, 3)[~written].view(torch.uint8),
                                old_rows.permute(0, 2, 1, 3)[~written].view(torch.uint8))  # nothing else written
             assert torch.equal(s_rows.permute(0, 2, 1)[~written], _rows_of(old_s, table).cpu().permute(0, 2, 1)[~written])
+            stored.append(kv_quant.dequantize(q_rows[rows.cpu(), :, pos.cpu()], s_rows[rows.cpu(), :, pos.cpu()]).double())
+        # The attention against float64 over what the cache now holds, the new position's 8-bit k/v included
+        # (with the exact ones, fp8's 3-bit mantissa alone puts a first position's output ~2.5% off).
+        ref = _rope_write_attend_float64(qkv, cos, sin, k_st, v_st, rows, positions, hq, hkv, written=stored)
+        err = float((out.cpu().double() - ref).norm() / ref.norm())
+        assert err < 1e-2, (fmt, hq, hkv, d, s, err)
         spare = torch.ones(kq.shape[0], dtype=torch.bool, device="cuda")
         spare[table.flatten()] = False
         for now, was in zip((kq, vq, ks, vs), before):
