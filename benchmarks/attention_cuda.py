@@ -102,14 +102,14 @@ def gather_sdpa(q, k_pool, v_pool, rows, lengths):
                                                             enable_gqa=True)[:, :, 0]
 
 
-def bench(fn) -> float:
+def bench(fn, rep: int = 300) -> float:
     """Median ms of a CUDA-graph replay of fn (launch gaps excluded, as in the engine's decode graphs)."""
     fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return triton.testing.do_bench(g.replay, warmup=50, rep=300, return_mode="median")
+    return triton.testing.do_bench(g.replay, warmup=50, rep=rep, return_mode="median")
 
 
 def copy_bandwidth() -> float:

@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from .tiles import BLOCK_N, n_splits
+from .tiles import BLOCK_N, BLOCK_N_Q8, SPLIT_MAX, decode_splits, n_splits
 
 
 @functools.cache
@@ -35,17 +35,18 @@ def _kernels():
                      stride_pob, stride_poh, stride_pos, stride_pmb, stride_pmh, stride_pms, stride_cb, TABLE, stride_t,
                      G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, NS: tl.constexpr,
                      SCALE: tl.constexpr, NEW: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
-                     PAGED: tl.constexpr, BS: tl.constexpr, KS, VS, stride_sp, stride_sh, QMAX: tl.constexpr):
+                     PAGED: tl.constexpr, BS: tl.constexpr, KS, VS, stride_sp, stride_sh, QMAX: tl.constexpr, NSE):
         # QMAX > 0: an 8-bit cache (models.kv_quant; 127 int8, 448 fp8) with a float32 scale per position and
         # head in KS/VS [NB, Hkv, BS]: values convert exactly to q's dtype, the K scale multiplies the scores
         # and the V scale the probabilities (those times V in bf16 whatever q's dtype: scaled, fp16 probabilities
-        # underflow). QMAX = 0 compiles to the code from before 8-bit caches.
+        # underflow). QMAX = 0 compiles to the code from before 8-bit caches. NSE: the splits launched (<= NS, the
+        # partial buffers' size; `tiles.decode_splits`).
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
         row = tl.load(ROWS + b)
         length = tl.load(LENS + b)
-        split = tl.cdiv(tl.cdiv(length, NS), BLOCK) * BLOCK  # this row's positions per program
+        split = tl.cdiv(tl.cdiv(length, NSE), BLOCK) * BLOCK  # this row's positions per program
         start = sp * split
         end = tl.minimum(start + split, length)  # empty (start >= end) for the splits past the length
         offs_g = tl.arange(0, GP)
@@ -160,12 +161,12 @@ def _kernels():
 
     @triton.jit
     def merge_kernel(PO, PML, OUT, stride_pob, stride_poh, stride_pos, stride_pmb, stride_pmh, stride_pms,
-                     stride_ob, stride_oh, NS: tl.constexpr, NSP: tl.constexpr, D: tl.constexpr):
+                     stride_ob, stride_oh, NS: tl.constexpr, NSP: tl.constexpr, D: tl.constexpr, NSE):
         b = tl.program_id(0)
         h = tl.program_id(1)
         offs_s = tl.arange(0, NSP)
         offs_d = tl.arange(0, D)
-        smask = offs_s < NS
+        smask = offs_s < NSE  # the splits launched
         pml = PML + b * stride_pmb + h * stride_pmh + offs_s * stride_pms
         m = tl.load(pml, mask=smask, other=float("-inf"))
         l = tl.load(pml + 1, mask=smask, other=0.0)
@@ -179,26 +180,31 @@ def _kernels():
 
 
 def launch_decode(q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, k_pool: torch.Tensor,
-                  v_pool: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+                  v_pool: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """The split and merge launches of `decode_attention` (``rope`` None: q [B, Hq, D]) or of
-    `decode_attention_rope` (``rope`` = (cos, sin): q is the qkv rows). Traceable inside the ops."""
-    return _launch(q, rope, k_pool, v_pool, None, rows, lengths)
+    `decode_attention_rope` (``rope`` = (cos, sin): q is the qkv rows). ``invariant``: the splits of a row
+    depend on its length alone, never on the batch (`tiles.decode_splits`). Traceable inside the ops."""
+    return _launch(q, rope, k_pool, v_pool, None, rows, lengths, invariant=invariant)
 
 
 def launch_decode_paged(q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, k_pool: torch.Tensor,
                         v_pool: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
-                        lengths: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                        lengths: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        tiles: tuple[int, int, int, int] | None = None, invariant: bool = False) -> torch.Tensor:
     """`launch_decode` over a paged cache: pools [NB, Hkv, BS, D] and a block table [P, NBMAX] (int64,
     unit column stride) whose row rows[b] names the pages of session b in order. The splits are those of a
     pool of NBMAX * BS positions, so that the result is bit for bit the non-paged one's for the same
     logical rows. ``scales`` (K's and V's, each [NB, Hkv, BS] float32, contiguous): the pools are an 8-bit
-    cache (`models.kv_quant`), read dequantized and, with ``rope``, written quantized. Traceable inside the ops."""
-    return _launch(q, rope, k_pool, v_pool, table, rows, lengths, scales)
+    cache (`models.kv_quant`), read dequantized and, with ``rope``, written quantized. ``tiles``: (positions
+    per split at most, BLOCK, warps, stages) instead of the table's (benchmarks/kv_attention_cuda.py --sweep).
+    Traceable inside the ops."""
+    return _launch(q, rope, k_pool, v_pool, table, rows, lengths, scales, tiles, invariant)
 
 
 def _launch(q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, k_pool: torch.Tensor,
             v_pool: torch.Tensor, table: torch.Tensor | None, rows: torch.Tensor,
-            lengths: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+            lengths: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+            tiles: tuple[int, int, int, int] | None = None, invariant: bool = False) -> torch.Tensor:
     from torch.library import wrap_triton
 
     from ..models.kv_quant import QMAX
@@ -211,7 +217,9 @@ def _launch(q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, k_p
     b = q.shape[0]
     hq = q.shape[1] // d - 2 * hkv if rope is not None else q.shape[1]
     g = hq // hkv
-    ns = n_splits(s)
+    split_max, block, warps, stages = tiles or (SPLIT_MAX, BLOCK_N_Q8 if scales else BLOCK_N, 4, 2)
+    ns = n_splits(s, split_max, block)
+    nse = ns if invariant or tiles else decode_splits(q.shape[0], hkv, ns)
     po = torch.empty((b, hq, ns, d), dtype=torch.float32, device=q.device)
     pml = torch.empty((b, hq, ns, 2), dtype=torch.float32, device=q.device)
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
@@ -219,17 +227,17 @@ def _launch(q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, k_p
     tab = table if table is not None else rows  # a placeholder too
     assert scales is None or table is not None, "an 8-bit KV cache is paged"
     ks, vs = scales if scales is not None else (q, q)  # placeholders too
-    wrap_triton(split_kernel)[(b, hkv, ns)](
+    wrap_triton(split_kernel)[(b, hkv, nse)](
         q, k_pool, v_pool, rows, lengths, po, pml, cos, sin,
         q.stride(0), d if rope is not None else q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         po.stride(0), po.stride(1), po.stride(2), pml.stride(0), pml.stride(1), pml.stride(2), cos.stride(0),
         tab, tab.stride(0),
-        G=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, BLOCK=BLOCK_N, NS=ns, SCALE=d ** -0.5,
+        G=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, BLOCK=block, NS=ns, SCALE=d ** -0.5,
         NEW=rope is not None, HQ=hq, HKV=hkv, PAGED=table is not None, BS=bs if table is not None else 1,
         KS=ks, VS=vs, stride_sp=ks.stride(0) if scales else 0, stride_sh=ks.stride(1) if scales else 0,
-        QMAX=QMAX[k_pool.dtype] if scales else 0.0, num_warps=4, num_stages=2)
+        QMAX=QMAX[k_pool.dtype] if scales else 0.0, NSE=nse, num_warps=warps, num_stages=stages)
     wrap_triton(merge_kernel)[(b, hq)](
         po, pml, out, po.stride(0), po.stride(1), po.stride(2), pml.stride(0), pml.stride(1), pml.stride(2),
-        out.stride(0), out.stride(1), NS=ns, NSP=max(2, 1 << (ns - 1).bit_length()), D=d, num_warps=4)
+        out.stride(0), out.stride(1), NS=ns, NSP=max(2, 1 << (ns - 1).bit_length()), D=d, NSE=nse, num_warps=4)
     return out

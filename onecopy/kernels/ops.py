@@ -37,21 +37,24 @@ def _define_ops() -> None:
     """Define the ``torch.ops.onecopy`` kernel ops (called once, below)."""
     from torch.library import triton_op
 
+    # The decode ops' ``invariant``: a row's splits depend on its length alone (the batch-invariant decode);
+    # otherwise on the batch size too (`tiles.decode_splits`: fewer, longer splits for many rows).
     @triton_op("onecopy::decode_attention", mutates_args=())
     def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
-                         lengths: torch.Tensor) -> torch.Tensor:
+                         lengths: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """q [B, Hq, D] against rows[b] of the pools [P, Hkv, S, D], positions < lengths[b]; -> [B, Hq, D]."""
-        return launch_decode(q, None, k_pool, v_pool, rows, lengths)
+        return launch_decode(q, None, k_pool, v_pool, rows, lengths, invariant)
 
     @triton_op("onecopy::decode_attention_rope", mutates_args=("k_pool", "v_pool"))
     def decode_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
-                              v_pool: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+                              v_pool: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor,
+                              invariant: bool = False) -> torch.Tensor:
         """A decode step's projected qkv [B, (Hq + 2 Hkv) D]: RoPE (cos, sin [B, D]) on q and k, the new k
         and v cached in rows[b] of the pools at position lengths[b] - 1, q against positions < lengths[b];
         -> [B, Hq, D]."""
         qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()  # one row stride for both (views of [B, 1, 1, D] already are)
-        return launch_decode(qkv, (cos, sin), k_pool, v_pool, rows, lengths)
+        return launch_decode(qkv, (cos, sin), k_pool, v_pool, rows, lengths, invariant)
 
     @triton_op("onecopy::prefill_attention", mutates_args=())
     def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
@@ -65,22 +68,22 @@ def _define_ops() -> None:
     # block table [P, NBMAX] (int64): position p of the session in table row r is in page table[r, p // BS].
     @triton_op("onecopy::paged_decode_attention", mutates_args=())
     def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                               rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+                               rows: torch.Tensor, lengths: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """`decode_attention` over pages: q [B, Hq, D] against table row rows[b], positions < lengths[b];
         -> [B, Hq, D], bit for bit the non-paged op's over the same logical rows of NBMAX * BS positions."""
         table = table if table.stride(-1) == 1 else table.contiguous()
-        return launch_decode_paged(q, None, k_pool, v_pool, table, rows, lengths)
+        return launch_decode_paged(q, None, k_pool, v_pool, table, rows, lengths, invariant=invariant)
 
     @triton_op("onecopy::paged_decode_attention_rope", mutates_args=("k_pool", "v_pool"))
     def paged_decode_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
                                     v_pool: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
-                                    lengths: torch.Tensor) -> torch.Tensor:
+                                    lengths: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """`decode_attention_rope` over pages: the new k and v cached at position lengths[b] - 1 of table row
         rows[b] (in page table[rows[b], (lengths[b] - 1) // BS]); -> [B, Hq, D]."""
         qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
         table = table if table.stride(-1) == 1 else table.contiguous()
-        return launch_decode_paged(qkv, (cos, sin), k_pool, v_pool, table, rows, lengths)
+        return launch_decode_paged(qkv, (cos, sin), k_pool, v_pool, table, rows, lengths, invariant=invariant)
 
     @triton_op("onecopy::paged_prefill_attention", mutates_args=())
     def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
@@ -97,21 +100,23 @@ def _define_ops() -> None:
     @triton_op("onecopy::paged_decode_attention_q8", mutates_args=())
     def paged_decode_attention_q8(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor,
                                   v_scale: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
-                                  lengths: torch.Tensor) -> torch.Tensor:
+                                  lengths: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """`paged_decode_attention` over an 8-bit cache, each value times its position's scale as read."""
         table = table if table.stride(-1) == 1 else table.contiguous()
-        return launch_decode_paged(q, None, k_pool, v_pool, table, rows, lengths, (k_scale, v_scale))
+        return launch_decode_paged(q, None, k_pool, v_pool, table, rows, lengths, (k_scale, v_scale), invariant=invariant)
 
     @triton_op("onecopy::paged_decode_attention_rope_q8", mutates_args=("k_pool", "v_pool", "k_scale", "v_scale"))
     def paged_decode_attention_rope_q8(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
                                        v_pool: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
-                                       table: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+                                       table: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor,
+                                       invariant: bool = False) -> torch.Tensor:
         """`paged_decode_attention_rope` over an 8-bit cache: the new k and v quantized (a scale each per
         head) as they are cached, and attended as the cache will hold them."""
         qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
         table = table if table.stride(-1) == 1 else table.contiguous()
-        return launch_decode_paged(qkv, (cos, sin), k_pool, v_pool, table, rows, lengths, (k_scale, v_scale))
+        return launch_decode_paged(qkv, (cos, sin), k_pool, v_pool, table, rows, lengths, (k_scale, v_scale),
+                                   invariant=invariant)
 
     @triton_op("onecopy::paged_prefill_attention_q8", mutates_args=())
     def paged_prefill_attention_q8(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor,
@@ -172,16 +177,17 @@ def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
 
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
-                     lengths: torch.Tensor) -> torch.Tensor:
+                     lengths: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """See the op: one query per row against that row's first ``lengths[b]`` cached positions (CUDA only)."""
-    return torch.ops.onecopy.decode_attention(q, k_pool, v_pool, rows, lengths)
+    return torch.ops.onecopy.decode_attention(q, k_pool, v_pool, rows, lengths, invariant)
 
 
 def decode_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
-                          v_pool: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                          v_pool: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                          invariant: bool = False) -> torch.Tensor:
     """See the op: a decode step's attention from its projected rows ``qkv`` [B, (Hq + 2 Hkv) D], with
     RoPE (cos, sin [B, D]) and the write of the new k/v at ``positions`` [B] folded in (CUDA only)."""
-    return torch.ops.onecopy.decode_attention_rope(qkv, cos, sin, k_pool, v_pool, rows, positions + 1)
+    return torch.ops.onecopy.decode_attention_rope(qkv, cos, sin, k_pool, v_pool, rows, positions + 1, invariant)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
@@ -192,32 +198,35 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                           rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+                           rows: torch.Tensor, lengths: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """See the op: `decode_attention` over a paged cache, row b's pages named by table row rows[b] (CUDA only)."""
-    return torch.ops.onecopy.paged_decode_attention(q, k_pool, v_pool, table, rows, lengths)
+    return torch.ops.onecopy.paged_decode_attention(q, k_pool, v_pool, table, rows, lengths, invariant)
 
 
 def paged_decode_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
                                 v_pool: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
-                                positions: torch.Tensor) -> torch.Tensor:
+                                positions: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """See the op: `decode_attention_rope` over a paged cache, the new k/v written at ``positions`` [B] into
     the pages that table rows rows[b] name (CUDA only)."""
-    return torch.ops.onecopy.paged_decode_attention_rope(qkv, cos, sin, k_pool, v_pool, table, rows, positions + 1)
+    return torch.ops.onecopy.paged_decode_attention_rope(qkv, cos, sin, k_pool, v_pool, table, rows, positions + 1,
+                                                         invariant)
 
 
 def paged_decode_attention_q8(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor,
                               v_scale: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
-                              lengths: torch.Tensor) -> torch.Tensor:
+                              lengths: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """See the op: `paged_decode_attention` over an 8-bit cache with its scale pools (CUDA only)."""
-    return torch.ops.onecopy.paged_decode_attention_q8(q, k_pool, v_pool, k_scale, v_scale, table, rows, lengths)
+    return torch.ops.onecopy.paged_decode_attention_q8(q, k_pool, v_pool, k_scale, v_scale, table, rows, lengths,
+                                                       invariant)
 
 
 def paged_decode_attention_rope_q8(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
                                    v_pool: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
-                                   table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                                   table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                                   invariant: bool = False) -> torch.Tensor:
     """See the op: `paged_decode_attention_rope` over an 8-bit cache, the new k/v quantized as written (CUDA only)."""
     return torch.ops.onecopy.paged_decode_attention_rope_q8(qkv, cos, sin, k_pool, v_pool, k_scale, v_scale, table,
-                                                            rows, positions + 1)
+                                                            rows, positions + 1, invariant)
 
 
 def paged_prefill_attention_q8(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor,

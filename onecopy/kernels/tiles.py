@@ -12,6 +12,17 @@ BLOCK_N = 64  # cache positions per inner step
 # short context is still spread over many programs (batch 1, 1k context in a 16k pool: 16 programs of
 # one block per head instead of 4 of four). A row's split depends only on its own length.
 SPLIT_MAX = 256
+# With many rows there are programs enough without splitting the rows: from DECODE_PROGRAMS (row, KV head)
+# pairs (64 rows of 8 KV heads) the default decode runs one program per pair (`decode_splits`): no partial
+# results to merge, long programs that stream the cache. Fewer rows keep every split of the table (at 16-32
+# rows of the 8B shape fewer splits read slower: 0.67 -> 0.58 of copy bandwidth at 16 rows of 4k).
+# The batch-invariant decode always keeps them: a row's splits then depend on its own length alone.
+# H200, 8B shape (benchmarks/kv_attention_cuda.py, results/kv_attention_h200.json, the same run): bf16 at
+# 64-256 rows of 1k 0.54-0.58 -> 0.71-0.82 of copy bandwidth, of 4k 0.80-0.85 -> 0.91-0.93.
+DECODE_PROGRAMS = 512
+# An 8-bit cache's positions per inner step: twice the positions for the same bytes in flight (at 64-256
+# rows 0.24-0.38 -> 0.41-0.53 of copy bandwidth with one split per row; --sweep, kv_attention_sweep_h200.json).
+BLOCK_N_Q8 = 128
 # Prefill tiles: (query rows, key columns, warps, pipeline stages) per program, by head size.
 # The fastest over a fresh 1k, a fresh 8k and a 2k-after-6k chunk on the H200
 # (benchmarks/prefill_attention_cuda.py, benchmarks/results/prefill_attention_h200.json).
@@ -67,9 +78,17 @@ def packed_linear_tiles(n_out: int, glu: bool, layout: int) -> tuple[int, int, i
     return (64, 256, 4, 4)
 
 
-def n_splits(max_seq_len: int) -> int:
-    """Programs per (row, KV head): one per SPLIT_MAX positions of the cache (block-rounded when shorter)."""
-    return -(-max_seq_len // min(SPLIT_MAX, -(-max_seq_len // BLOCK_N) * BLOCK_N))
+def n_splits(max_seq_len: int, split_max: int = SPLIT_MAX, block: int = BLOCK_N) -> int:
+    """Programs per (row, KV head): one per ``split_max`` positions of the cache (block-rounded when shorter)."""
+    return -(-max_seq_len // min(split_max, -(-max_seq_len // block) * block))
+
+
+def decode_splits(rows, kv_heads: int, splits: int):
+    """Splits launched per (row, KV head) for ``rows`` rows (an int, or the traced batch size: a SymInt, so
+    that one exported decode picks per call): ``splits`` below DECODE_PROGRAMS (row, KV head) pairs, else 1."""
+    import torch
+
+    return splits - (splits - 1) * torch.sym_min(1, rows * kv_heads // DECODE_PROGRAMS)
 
 
 def small_linear_programs(n_out: int, glu: bool, invariant: bool = False) -> int:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
-from . import kv_quant
+from . import invariant, kv_quant
 
 
 @dataclass
@@ -103,7 +103,7 @@ def pooled_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     if q.is_cuda and kernels.available():
         if lengths is None:
             lengths = torch.full_like(rows, k_pool.shape[2])
-        return kernels.decode_attention(q, k_pool, v_pool, rows, lengths)
+        return kernels.decode_attention(q, k_pool, v_pool, rows, lengths, invariant.active())
     return pooled_attention_torch(q, k_pool, v_pool, rows, lengths)
 
 
@@ -165,9 +165,10 @@ def attend_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, 
         lengths = step.input_pos + 1
         if on_cuda and cache.quantized:
             return kernels.paged_decode_attention_q8(q[:, 0], cache.k, cache.v, cache.k_scale, cache.v_scale, table,
-                                                     step.rows, lengths)[:, None]
+                                                     step.rows, lengths, invariant.active())[:, None]
         if on_cuda:
-            return kernels.paged_decode_attention(q[:, 0], cache.k, cache.v, table, step.rows, lengths)[:, None]
+            return kernels.paged_decode_attention(q[:, 0], cache.k, cache.v, table, step.rows, lengths,
+                                                  invariant.active())[:, None]
         return paged_attention_torch(q[:, 0], cache, table, step.rows, lengths)[:, None]
     rows = step.rows.expand(step.input_pos.shape[0])
     write_paged(cache.k, table, rows, step.input_pos, k[0], cache.k_scale)

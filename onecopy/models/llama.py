@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
+from . import invariant
 from .attention import KVCache, Step, attend_pooled
 from .base import MethodDef, PooledModel, as_method, pooled_methods
 from .layers import FeedForward, RMSNorm, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
@@ -118,17 +119,18 @@ class Block(nn.Module):
         attn, ffn, eps = self.attention, self.feed_forward, self.ffn_norm.eps
         qkv = linear(x, attn.wqkv.weight, attn.wqkv.bias, norm=(self.attention_norm.weight, ss, self.attention_norm.eps))
         c, s = cos[:, 0, 0], sin[:, 0, 0]
+        fixed = invariant.active()  # the batch-invariant decode: a row's attention splits never depend on the batch
         if attn.qk_norm:
             y = attn.attend(qkv[:, None], cos, sin, step, cache)[:, 0]
         # Otherwise RoPE and the K/V cache write (quantizing, for an 8-bit cache) happen inside the attention kernel.
         elif cache.quantized:
             y = kernels.paged_decode_attention_rope_q8(qkv, c, s, cache.k, cache.v, cache.k_scale, cache.v_scale,
-                                                       step.table, step.rows, step.input_pos).flatten(1)
+                                                       step.table, step.rows, step.input_pos, fixed).flatten(1)
         elif step.table is not None:
             y = kernels.paged_decode_attention_rope(qkv, c, s, cache.k, cache.v, step.table, step.rows,
-                                                    step.input_pos).flatten(1)
+                                                    step.input_pos, fixed).flatten(1)
         else:
-            y = kernels.decode_attention_rope(qkv, c, s, cache.k, cache.v, step.rows, step.input_pos).flatten(1)
+            y = kernels.decode_attention_rope(qkv, c, s, cache.k, cache.v, step.rows, step.input_pos, fixed).flatten(1)
         dim = x.shape[1]
         weights = [attn.wo.weight, ffn.w13.weight, ffn.w2.weight]
         flat, unflatten = flatten(weights)
