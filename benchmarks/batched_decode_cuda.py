@@ -18,6 +18,9 @@ session's first token and before the first session's last), inter-token latency 
 token p50/p99, end-to-end
 tok/s (all generated tokens over the whole run, prefill included: the only figure the peer exposes
 without per-token timestamps). Plus the engine's memory report (pool, graphs + runners).
+Saturation (``--requests N``): N requests submitted at once per count, the engine's rows taking them as
+they free (run one count: the largest is the pool's size); the end-to-end tok/s is then the output
+throughput of a 1000-in / 1000-out run as TensorRT-LLM reports it (``--prompt-len 1000 --new-tokens 1000``).
 """
 
 from __future__ import annotations
@@ -118,6 +121,10 @@ def main() -> None:
                     help="the KV cache's storage when the bundle is exported here")
     ap.add_argument("--token-budget", type=int, help="Engine.load(token_budget=): several prompts' prefill chunks "
                     "per iteration (at 128+ sessions one chunk per iteration outlasts the first sessions' decode)")
+    ap.add_argument("--requests", type=int, help="saturation: this many requests at once for each count, queued for "
+                    "the engine's rows (max_sessions: the largest count); e.g. --sessions 256 --requests 2048 "
+                    "--prompt-len 1000 --new-tokens 1000, whose end-to-end tok/s is the output throughput that "
+                    "TensorRT-LLM publishes")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     counts = [int(x) for x in a.sessions.split(",")]
@@ -125,7 +132,7 @@ def main() -> None:
     res: dict = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(),
                  "torch": torch.__version__, "source": a.source, "max_seq_len": a.max_seq_len,
                  "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "kv_dtype": a.kv_dtype, "token_budget": a.token_budget,
-                 "results": {}}
+                 "requests": a.requests, "results": {}}
     bundle = Path(a.bundle)
     if not (bundle / "manifest.json").is_file():
         t0 = time.perf_counter()
@@ -135,7 +142,8 @@ def main() -> None:
         print("exported in", res["export_s"], "s", flush=True)
     vocab = resolve_source(a.source).config.vocab_size
     g = torch.Generator().manual_seed(0)
-    prompts = {s: torch.randint(0, vocab - 1, (s, a.prompt_len), generator=g).tolist() for s in counts}
+    prompts = {s: torch.randint(0, vocab - 1, (max(s, a.requests or 0), a.prompt_len), generator=g).tolist()
+               for s in counts}
     t0 = time.perf_counter()
     engine = onecopy.Engine.load(bundle, "cuda", max_sessions=max(counts), token_budget=a.token_budget)
     res["load_s"] = round(time.perf_counter() - t0, 1)
