@@ -18,7 +18,7 @@ SPLIT_MAX = 256
 # rows of the 8B shape fewer splits read slower: 0.67 -> 0.58 of copy bandwidth at 16 rows of 4k).
 # The batch-invariant decode always keeps them: a row's splits then depend on its own length alone.
 # H200, 8B shape (benchmarks/kv_attention_cuda.py, results/kv_attention_h200.json, the same run): bf16 at
-# 64-256 rows of 1k 0.54-0.58 -> 0.71-0.82 of copy bandwidth, of 4k 0.80-0.85 -> 0.91-0.93.
+# 64-256 rows of 1k 0.54-0.58 -> 0.70-0.82 of copy bandwidth, of 4k 0.81-0.85 -> 0.87-0.95.
 DECODE_PROGRAMS = 512
 # An 8-bit cache's positions per inner step: twice the positions for the same bytes in flight (at 64-256
 # rows 0.24-0.38 -> 0.41-0.53 of copy bandwidth with one split per row; --sweep, kv_attention_sweep_h200.json).

@@ -201,12 +201,15 @@ def test_graphs_need_a_shared_weight_decode(tmp_path):
 
 
 def test_decode_attention_kernel_matches_float64():
-    """The Triton split-KV kernel against a float64 reference, on random data, lengths from 1 to full."""
+    """The Triton split-KV kernel against a float64 reference, on random data, lengths from 1 to full; 70 rows of
+    8 KV heads take one program per row and head (`tiles.decode_splits`), the others every split."""
     from onecopy import kernels
     from onecopy.models.attention import pooled_attention
 
     torch.manual_seed(0)
-    for b, hq, hkv, d, s, p in [(3, 4, 2, 16, 64, 5), (17, 32, 8, 128, 2048, 20), (5, 9, 3, 64, 700, 6), (2, 6, 6, 64, 1500, 3)]:
+    assert kernels.tiles.decode_splits(70, 8, kernels.n_splits(512)) == 1 < kernels.n_splits(512)
+    for b, hq, hkv, d, s, p in [(3, 4, 2, 16, 64, 5), (17, 32, 8, 128, 2048, 20), (5, 9, 3, 64, 700, 6), (2, 6, 6, 64, 1500, 3),
+                                (70, 32, 8, 128, 512, 72)]:
         q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
         kp = torch.randn(p, hkv, s, d, device="cuda", dtype=torch.bfloat16)
         vp = torch.randn_like(kp)
@@ -257,7 +260,8 @@ def test_decode_attention_with_rope_and_cache_write_matches_float64():
 
     torch.manual_seed(0)
     for hq, hkv, d, s, positions in [(32, 8, 128, 4097, [0, 1023, 4096]), (4, 2, 64, 300, [63, 64, 299]),
-                                     (6, 6, 64, 1500, [256, 1000])]:
+                                     (6, 6, 64, 1500, [256, 1000]),
+                                     (32, 8, 128, 1024, [0, 63, 64] + list(range(100, 1024, 15)))]:  # 65 rows: unsplit
         b = len(positions)
         qkv, cos, sin, kp, vp = _rope_inputs(b, hq, hkv, d, s)
         rows = torch.tensor(list(range(b, 0, -1)), device="cuda")  # not the identity: rows are looked up

@@ -36,7 +36,9 @@ def test_q8_decode_and_prefill_kernels_match_float64_of_the_dequantized_cache(fm
 
     dtype, bs = kv_quant.KV_DTYPES[fmt], 16
     torch.manual_seed(0)
-    for b, hq, hkv, d, s, p in [(5, 6, 2, 64, 704, 6), (17, 32, 8, 128, 2048, 20), (3, 4, 2, 16, 64, 5)]:
+    # 70 rows of 8 KV heads: one program per row and head (`tiles.decode_splits`); the others every split.
+    for b, hq, hkv, d, s, p in [(5, 6, 2, 64, 704, 6), (17, 32, 8, 128, 2048, 20), (3, 4, 2, 16, 64, 5),
+                                (70, 32, 8, 128, 512, 72)]:
         table = torch.randperm(p * s // bs + 3, device="cuda")[:p * s // bs].view(p, s // bs)
         kp = torch.randn(p, hkv, s, d, device="cuda", dtype=torch.bfloat16)
         vp = torch.randn_like(kp)
@@ -71,7 +73,8 @@ def test_q8_rope_kernel_quantizes_the_new_kv_into_the_right_page(fmt):
     dtype, bs, qmax = kv_quant.KV_DTYPES[fmt], 16, kv_quant.QMAX[kv_quant.KV_DTYPES[fmt]]
     torch.manual_seed(0)
     for hq, hkv, d, s, positions in [(32, 8, 128, 4096, [0, bs - 1, bs, 1023, 4095]),
-                                     (6, 2, 64, 704, [63, 64, 300, 703])]:
+                                     (6, 2, 64, 704, [63, 64, 300, 703]),
+                                     (32, 8, 128, 1024, [0, 63, 64] + list(range(100, 1024, 15)))]:  # 65 rows: unsplit
         b = len(positions)
         qkv, cos, sin, kp, vp = _rope_inputs(b, hq, hkv, d, s)
         p = kp.shape[0]
