@@ -67,6 +67,11 @@ def case(batch: int, context: int, fmt: str, tiles: tuple[int, int, int, int] | 
             "filled_positions": made["filled"]}
 
 
+def share(needed_bytes: int, ms: float, bw: float) -> float:
+    """The bytes a step must read over its time, as a share of the copy bandwidth ``bw`` (bytes/s)."""
+    return round(needed_bytes / (ms / 1000) / bw, 3)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,16,32,64,128,256")
@@ -81,23 +86,23 @@ def main() -> None:
            "shape": {"heads": HQ, "kv_heads": HKV, "head_dim": D, "page": BS, "pool": POOL},
            "copy_bandwidth_TBps": round(bw / 1e12, 3), "runs": []}
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
-    print(f"{'B':>4} {'ctx':>5} {'kv':<5} {'ms':>8} {'share':>6} {'vs bf16':>8} {'fixed ms':>9} {'share':>6}")
     if a.sweep:
         return sweep(a, res, bw)
+    print(f"{'B':>4} {'ctx':>5} {'kv':<5} {'ms':>8} {'share':>6} {'vs bf16':>8} {'fixed ms':>9} {'share':>6}")
     for batch in map(int, a.batches.split(",")):
         for context in map(int, a.contexts.split(",")):
             base = None
             for fmt in a.formats.split(","):
                 made = inputs(batch, context, fmt)
                 r = case(batch, context, fmt, made=made)
-                r["share_of_copy_bw"] = round(r["needed_bytes"] / (r["ms"] / 1000) / bw, 3)
+                r["share_of_copy_bw"] = share(r["needed_bytes"], r["ms"], bw)
                 base = base or r["ms"]
                 r["speedup_vs_bf16"] = round(base / r["ms"], 3)
                 # The batch-invariant decode's splits (a row's length alone decides them, as every decode's did
                 # before `tiles.decode_splits`), in the same run.
                 fixed = case(batch, context, fmt, made=made, invariant=True)
                 r["invariant_ms"] = fixed["ms"]
-                r["invariant_share_of_copy_bw"] = round(r["needed_bytes"] / (fixed["ms"] / 1000) / bw, 3)
+                r["invariant_share_of_copy_bw"] = share(r["needed_bytes"], fixed["ms"], bw)
                 res["runs"].append(r)
                 print(f"{batch:>4} {context:>5} {fmt:<5} {r['ms']:>8.4f} {r['share_of_copy_bw']:>6.3f} "
                       f"{r['speedup_vs_bf16']:>8.2f} {fixed['ms']:>9.4f} {r['invariant_share_of_copy_bw']:>6.3f}", flush=True)
@@ -112,7 +117,8 @@ SWEEP = [(sp, bl, w, st) for sp in (256, 1024, 4096) for bl in (64, 128) for w i
 
 
 def sweep(a, res: dict, bw: float) -> None:
-    """Each tile of SWEEP at each (format, batch, context): the table behind `tiles.decode_tiles`."""
+    """Each tile of SWEEP at each (format, batch, context), with one split per row's worth of positions per
+    program at most (tiles[0]) whatever the batch: the table behind `tiles.BLOCK_N_Q8` and `DECODE_PROGRAMS`."""
     print(f"{'kv':<5} {'B':>4} {'ctx':>5} {'split':>5} {'blk':>4} {'w':>2} {'st':>2} {'ms':>8} {'share':>6}")
     for fmt in a.formats.split(","):
         for batch in map(int, a.batches.split(",")):
@@ -126,7 +132,7 @@ def sweep(a, res: dict, bw: float) -> None:
                                             "error": str(e).splitlines()[0][:200]})
                         continue
                     r["tiles"] = tiles
-                    r["share_of_copy_bw"] = round(r["needed_bytes"] / (r["ms"] / 1000) / bw, 3)
+                    r["share_of_copy_bw"] = share(r["needed_bytes"], r["ms"], bw)
                     res["runs"].append(r)
                     print(f"{fmt:<5} {batch:>4} {context:>5} {tiles[0]:>5} {tiles[1]:>4} {tiles[2]:>2} {tiles[3]:>2} "
                           f"{r['ms']:>8.4f} {r['share_of_copy_bw']:>6.3f}", flush=True)
