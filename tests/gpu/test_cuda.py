@@ -506,3 +506,28 @@ def test_paged_prefill_attention_equals_the_row_kernel_bit_for_bit(bs):
         ref = prefill_attention(q.cpu().double(), kp.cpu().double(), vp.cpu().double(), rows.cpu(), pos.cpu(), ctx)
         err = float((out.cpu().double() - ref).norm() / ref.norm())
         assert err < 1e-2, (hq, hkv, d, s, start, t, bs, err)
+
+
+def test_invariant_decode_attention_keeps_a_rows_splits_whatever_the_batch():
+    """``invariant``: a row's attention is bit for bit the same alone and among 69 others (70 rows of 8 KV
+    heads, where the default decode runs one program per row and head, `tiles.decode_splits`); one row alone
+    gets the same splits either way; the default 70-row call is another (unsplit) reduction."""
+    from onecopy import kernels
+
+    torch.manual_seed(0)
+    b, hq, hkv, d, s, bs = 70, 32, 8, 128, 1024, 16
+    table = torch.randperm(b * s // bs, device="cuda").view(b, s // bs)
+    kp = torch.randn(b * s // bs, hkv, bs, d, device="cuda", dtype=torch.bfloat16)
+    vp = torch.randn_like(kp)
+    q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
+    rows = torch.arange(b, device="cuda")
+    lengths = torch.randint(s // 2, s + 1, (b,), device="cuda")
+    fixed = kernels.paged_decode_attention(q, kp, vp, table, rows, lengths, invariant=True)
+    default = kernels.paged_decode_attention(q, kp, vp, table, rows, lengths)
+    for i in (0, 33, 69):
+        one = (q[i:i + 1], kp, vp, table, rows[i:i + 1], lengths[i:i + 1])
+        alone = kernels.paged_decode_attention(*one, invariant=True)
+        assert torch.equal(fixed[i], alone[0]), i
+        assert torch.equal(kernels.paged_decode_attention(*one)[0], alone[0]), i
+    assert not torch.equal(default, fixed)
+    torch.testing.assert_close(default, fixed, rtol=2e-2, atol=2e-2)
