@@ -59,9 +59,9 @@ def inputs(batch: int, context: int, fmt: str) -> dict:
             "needed": int(lengths.sum()) * per_position + 2 * q.numel() * q.element_size()}
 
 
-def case(batch: int, context: int, fmt: str, tiles: tuple[int, int, int, int] | None = None,
-         made: dict | None = None, rep: int = 300, invariant: bool = False) -> dict:
-    made = made or inputs(batch, context, fmt)
+def case(made: dict, batch: int, context: int, fmt: str, tiles: tuple[int, int, int, int] | None = None,
+         rep: int = 300, invariant: bool = False) -> dict:
+    """One timing of the split + merge kernels on ``made`` (`inputs`), as a record of the table."""
     ms = bench(lambda: launch_decode_paged(*made["args"], tiles, invariant), rep)
     return {"batch": batch, "context": context, "kv": fmt, "ms": round(ms, 4), "needed_bytes": made["needed"],
             "filled_positions": made["filled"]}
@@ -94,13 +94,13 @@ def main() -> None:
             base = None
             for fmt in a.formats.split(","):
                 made = inputs(batch, context, fmt)
-                r = case(batch, context, fmt, made=made)
+                r = case(made, batch, context, fmt)
                 r["share_of_copy_bw"] = share(r["needed_bytes"], r["ms"], bw)
                 base = base or r["ms"]
                 r["speedup_vs_bf16"] = round(base / r["ms"], 3)
                 # The batch-invariant decode's splits (a row's length alone decides them, as every decode's did
                 # before `tiles.decode_splits`), in the same run.
-                fixed = case(batch, context, fmt, made=made, invariant=True)
+                fixed = case(made, batch, context, fmt, invariant=True)
                 r["invariant_ms"] = fixed["ms"]
                 r["invariant_share_of_copy_bw"] = share(r["needed_bytes"], fixed["ms"], bw)
                 res["runs"].append(r)
@@ -126,7 +126,7 @@ def sweep(a, res: dict, bw: float) -> None:
                 made = inputs(batch, context, fmt)
                 for tiles in SWEEP:
                     try:
-                        r = case(batch, context, fmt, tiles, made, rep=100)
+                        r = case(made, batch, context, fmt, tiles, rep=100)
                     except Exception as e:  # a tile that does not compile (shared memory): recorded, skipped
                         res["runs"].append({"batch": batch, "context": context, "kv": fmt, "tiles": tiles,
                                             "error": str(e).splitlines()[0][:200]})
