@@ -1,14 +1,17 @@
-"""Where a batch-1 decode step's time goes: the kernels inside the captured graph, by kind (CUDA).
+"""Where a decode step's time goes: the kernels inside the captured graph, by kind (CUDA).
 
 Usage (on a CUDA machine, from the repository root):
     python benchmarks/decode_profile_cuda.py --source llama3-8b-8l --context 1024 \
         --out benchmarks/results/decode_profile_llama3-8b-8l_h200.json
 
-Replays the bucket-1 decode graph at ``--context`` filled positions under torch.profiler and sums
+Replays the decode graph of ``--sessions`` rows (default 1), each at ``--context`` filled positions in
+its own KV blocks, under torch.profiler and sums
 the device time of every kernel per step: cuBLAS GEMMs, the Triton attention split and merge
 kernels, Inductor's fused pointwise/reduction kernels (norms, RoPE, K/V writes, SiLU, residual
 adds), and the rest; plus the wall time of a replay, whose excess over the kernels' sum is the gaps
 between kernels. The layers of the 8-layer preset have the 8B shape, so per-layer figures carry over.
+With ``--bundle`` naming an exported bundle it is profiled as it is (e.g. a 32-layer one with an 8-bit KV
+cache): ``--sessions 256 --context 1024`` is a saturated step's breakdown.
 """
 
 from __future__ import annotations
@@ -38,6 +41,20 @@ def kind(name: str) -> str:
     return "other"
 
 
+def batched_step_ms(engine: onecopy.Engine, rows: list[int], pos: list[int], tok: torch.Tensor, steps: int) -> float:
+    """Device ms of one decode step of ``rows`` at ``pos`` (their bucket's graph), the mean of ``steps``
+    back-to-back steps; positions are not advanced."""
+    for _ in range(5):
+        engine.runner.decode(rows, pos, tok)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        engine.runner.decode(rows, pos, tok)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--source", default="llama3-8b-8l")
@@ -45,20 +62,32 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--bundle", default="/tmp/onecopy-profile")
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--sessions", type=int, default=1, help="rows decoded in one step, each at --context")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     bundle = Path(a.bundle)
     if not (bundle / "manifest.json").is_file():
         onecopy.export(a.source, bundle, max_seq_len=a.max_seq_len, device="cuda", overwrite=True, progress=False)
-    with onecopy.Engine.load(bundle, "cuda", max_sessions=1) as engine, engine.open_session() as s:
-        s.position = a.context
-        step_ms = decode_step_ms(engine, s, steps=a.steps, warmup=10)
-        tok = torch.tensor([1], device="cuda")
+    with onecopy.Engine.load(bundle, "cuda", max_sessions=a.sessions) as engine:
+        sessions = [engine.open_session() for _ in range(a.sessions)]
+        for s in sessions:  # each row's own blocks (paged KV), as a prefill would have taken them
+            s._writes(a.context + 1)
+            s.position = a.context
+        rows, pos = [s.row for s in sessions], [s.position for s in sessions]
+        tok = torch.ones(len(rows), dtype=torch.long, device="cuda")
+        if a.sessions == 1:
+            step_ms = decode_step_ms(engine, sessions[0], steps=a.steps, warmup=10)
+        else:
+            step_ms = batched_step_ms(engine, rows, pos, tok, a.steps)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(a.steps):
-                engine.runner.decode([s.row], [s.position], tok)
+                engine.runner.decode(rows, pos, tok)
             torch.cuda.synchronize()
         n_layers = engine.manifest.config["n_layers"]
+        kv_storage = engine.memory_report().kv_dtype
+        max_seq_len = engine.max_seq_len  # the bundle's (a reused bundle may differ from --max-seq-len)
+        for s in sessions:
+            s.close()
     # One step's kernels in launch order (the last step's), so each projection's time can be read off.
     events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                     key=lambda e: e.time_range.start)
@@ -78,7 +107,8 @@ def main() -> None:
     busy_us = sum(k["us_per_step"] for k in kernels.values())
     res = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "source": a.source, "n_layers": n_layers, "context": a.context,
-           "max_seq_len": a.max_seq_len, "step_ms_graph_replay": round(step_ms, 4),
+           "sessions": a.sessions, "kv_storage": kv_storage, "tok_s": round(1000 * a.sessions / step_ms, 1),
+           "max_seq_len": max_seq_len, "step_ms_graph_replay": round(step_ms, 4),
            "kernel_busy_ms": round(busy_us / 1000, 4), "gaps_ms": round(step_ms - busy_us / 1000, 4),
            "by_kind": {k: {"us_per_step": round(v["us_per_step"], 1), "calls_per_step": round(v["calls_per_step"], 1),
                            "us_per_layer": round(v["us_per_step"] / n_layers, 2)} for k, v in by_kind.items()},
