@@ -2,7 +2,8 @@
 
 `decode_attention`: reads only the filled prefix (``lengths``) of each row, in place, with all query
 heads of a grouped-query group served by one program, so each K/V block is read once. A second
-kernel merges the splits. On CPU the exported methods use `attention.pooled_attention` instead.
+kernel merges the splits (over an 8-bit cache, none when each row has one: the split kernel then writes
+the output). On CPU the exported methods use `attention.pooled_attention` instead.
 `decode_attention_rope`: the same from a decode step's projected q/k/v rows, with RoPE on q and the
 new k and the write of the new k/v into the pool done inside the split kernel (two kernels fewer per
 layer): the program whose split holds the new position takes that key from registers, last, and
@@ -19,7 +20,7 @@ import functools
 
 import torch
 
-from .tiles import BLOCK_N, BLOCK_N_Q8, SPLIT_MAX, decode_splits, n_splits
+from .tiles import BLOCK_N, BLOCK_N_Q8, SPLIT_MAX, decode_splits, merged_rows, n_splits
 
 
 @functools.cache
@@ -35,12 +36,14 @@ def _kernels():
                      stride_pob, stride_poh, stride_pos, stride_pmb, stride_pmh, stride_pms, stride_cb, TABLE, stride_t,
                      G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, NS: tl.constexpr,
                      SCALE: tl.constexpr, NEW: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
-                     PAGED: tl.constexpr, BS: tl.constexpr, KS, VS, stride_sp, stride_sh, QMAX: tl.constexpr, NSE):
+                     PAGED: tl.constexpr, BS: tl.constexpr, KS, VS, stride_sp, stride_sh, QMAX: tl.constexpr, NSE,
+                     OUT, stride_ob, stride_oh):
         # QMAX > 0: an 8-bit cache (models.kv_quant; 127 int8, 448 fp8) with a float32 scale per position and
         # head in KS/VS [NB, Hkv, BS]: values convert exactly to q's dtype, the K scale multiplies the scores
         # and the V scale the probabilities (those times V in bf16 whatever q's dtype: scaled, fp16 probabilities
         # underflow). QMAX = 0 compiles to the code from before 8-bit caches. NSE: the splits launched (<= NS, the
-        # partial buffers' size; `tiles.decode_splits`).
+        # partial buffers' size; `tiles.decode_splits`); with one over an 8-bit cache, this program's result is
+        # the output (OUT) and no merge runs (`tiles.merged_rows`).
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -153,11 +156,22 @@ def _kernels():
                 else:
                     tl.store(k_base + cur * stride_ks + offs_d, k_new)
                     tl.store(v_base + cur * stride_vs + offs_d, v_new)
-        tl.store(PO + b * stride_pob + heads[:, None] * stride_poh + sp * stride_pos + offs_d[None, :], acc,
-                 mask=gmask[:, None])
-        pml = PML + b * stride_pmb + heads * stride_pmh + sp * stride_pms
-        tl.store(pml, m_i, mask=gmask)
-        tl.store(pml + 1, l_i, mask=gmask)
+        if QMAX > 0:  # 8-bit caches only (`tiles.merged_rows` says why): one split writes the output itself
+            if NSE == 1:  # the merge's arithmetic for one split (weight exp(0) = 1): acc / l, the same bits
+                tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                         (acc / l_i[:, None]).to(OUT.dtype.element_ty), mask=gmask[:, None])
+            else:
+                tl.store(PO + b * stride_pob + heads[:, None] * stride_poh + sp * stride_pos + offs_d[None, :], acc,
+                         mask=gmask[:, None])
+                pml = PML + b * stride_pmb + heads * stride_pmh + sp * stride_pms
+                tl.store(pml, m_i, mask=gmask)
+                tl.store(pml + 1, l_i, mask=gmask)
+        else:
+            tl.store(PO + b * stride_pob + heads[:, None] * stride_poh + sp * stride_pos + offs_d[None, :], acc,
+                     mask=gmask[:, None])
+            pml = PML + b * stride_pmb + heads * stride_pmh + sp * stride_pms
+            tl.store(pml, m_i, mask=gmask)
+            tl.store(pml + 1, l_i, mask=gmask)
 
     @triton.jit
     def merge_kernel(PO, PML, OUT, stride_pob, stride_poh, stride_pos, stride_pmb, stride_pmh, stride_pms,
@@ -236,8 +250,10 @@ def _launch(q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, k_p
         G=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, BLOCK=block, NS=ns, SCALE=d ** -0.5,
         NEW=rope is not None, HQ=hq, HKV=hkv, PAGED=table is not None, BS=bs if table is not None else 1,
         KS=ks, VS=vs, stride_sp=ks.stride(0) if scales else 0, stride_sh=ks.stride(1) if scales else 0,
-        QMAX=QMAX[k_pool.dtype] if scales else 0.0, NSE=nse, num_warps=warps, num_stages=stages)
-    wrap_triton(merge_kernel)[(b, hq)](
+        QMAX=QMAX[k_pool.dtype] if scales else 0.0, NSE=nse, OUT=out, stride_ob=out.stride(0),
+        stride_oh=out.stride(1), num_warps=warps, num_stages=stages)
+    merged = merged_rows(b, nse) if scales is not None else b  # none (no launch) when the split kernel wrote out
+    wrap_triton(merge_kernel)[(merged, hq)](
         po, pml, out, po.stride(0), po.stride(1), po.stride(2), pml.stride(0), pml.stride(1), pml.stride(2),
         out.stride(0), out.stride(1), NS=ns, NSP=max(2, 1 << (ns - 1).bit_length()), D=d, NSE=nse, num_warps=4)
     return out
