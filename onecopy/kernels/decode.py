@@ -156,16 +156,12 @@ def _kernels():
                 else:
                     tl.store(k_base + cur * stride_ks + offs_d, k_new)
                     tl.store(v_base + cur * stride_vs + offs_d, v_new)
-        if QMAX > 0:  # 8-bit caches only (`tiles.merged_rows` says why): one split writes the output itself
-            if NSE == 1:  # the merge's arithmetic for one split (weight exp(0) = 1): acc / l, the same bits
-                tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                         (acc / l_i[:, None]).to(OUT.dtype.element_ty), mask=gmask[:, None])
-            else:
-                tl.store(PO + b * stride_pob + heads[:, None] * stride_poh + sp * stride_pos + offs_d[None, :], acc,
-                         mask=gmask[:, None])
-                pml = PML + b * stride_pmb + heads * stride_pmh + sp * stride_pms
-                tl.store(pml, m_i, mask=gmask)
-                tl.store(pml + 1, l_i, mask=gmask)
+        direct = False  # 8-bit caches only (`tiles.merged_rows` says why): one split writes the output itself
+        if QMAX > 0:  # constexpr: with QMAX = 0, `direct` stays a constant and the store below is the only one
+            direct = NSE == 1
+        if direct:  # the merge's arithmetic for one split (weight exp(0) = 1): acc / l, the same bits
+            tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                     (acc / l_i[:, None]).to(OUT.dtype.element_ty), mask=gmask[:, None])
         else:
             tl.store(PO + b * stride_pob + heads[:, None] * stride_poh + sp * stride_pos + offs_d[None, :], acc,
                      mask=gmask[:, None])
