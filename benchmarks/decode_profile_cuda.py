@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import onecopy  # noqa: E402
-from onecopy.bench.decode import decode_step_ms  # noqa: E402
+from onecopy.bench.decode import batched_step_ms  # noqa: E402
 
 KINDS = [("attention_split", r"split_kernel"), ("attention_merge", r"merge_kernel"), ("small_linear", r"linear_kernel"),
          ("gemm", r"gemm|gemv|cutlass|nvjet|sm90_|cublas|splitK|reduce_kernel"), ("inductor_fused", r"^triton_")]
@@ -39,20 +39,6 @@ def kind(name: str) -> str:
         if re.search(pat, name):
             return k
     return "other"
-
-
-def batched_step_ms(engine: onecopy.Engine, rows: list[int], pos: list[int], tok: torch.Tensor, steps: int) -> float:
-    """Device ms of one decode step of ``rows`` at ``pos`` (their bucket's graph), the mean of ``steps``
-    back-to-back steps; positions are not advanced."""
-    for _ in range(5):
-        engine.runner.decode(rows, pos, tok)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        engine.runner.decode(rows, pos, tok)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps
 
 
 def main() -> None:
@@ -75,10 +61,7 @@ def main() -> None:
             s.position = a.context
         rows, pos = [s.row for s in sessions], [s.position for s in sessions]
         tok = torch.ones(len(rows), dtype=torch.long, device="cuda")
-        if a.sessions == 1:
-            step_ms = decode_step_ms(engine, sessions[0], steps=a.steps, warmup=10)
-        else:
-            step_ms = batched_step_ms(engine, rows, pos, tok, a.steps)
+        step_ms = batched_step_ms(engine, sessions, steps=a.steps, warmup=10)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(a.steps):
                 engine.runner.decode(rows, pos, tok)

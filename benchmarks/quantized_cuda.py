@@ -31,24 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import onecopy  # noqa: E402
-from onecopy.bench.decode import copy_bandwidth, decode_step_ms, floor_bytes  # noqa: E402
+from onecopy.bench.decode import batched_step_ms, copy_bandwidth, decode_step_ms, floor_bytes  # noqa: E402
 from onecopy.models.llama import LlamaConfig  # noqa: E402
 from onecopy.models.quantize import quantize_model  # noqa: E402
 from onecopy.models.source import resolve_source  # noqa: E402
-
-
-def batched_step_ms(engine: onecopy.Engine, sessions: list, steps: int = 50) -> float:
-    rows, pos = [s.row for s in sessions], [s.position for s in sessions]
-    tok = torch.ones(len(rows), dtype=torch.long, device=engine.device)
-    for _ in range(3):
-        engine.runner.decode(rows, pos, tok)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(steps):
-        engine.runner.decode(rows, pos, tok)
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / steps
 
 
 def logit_error(src, bundle: Path, mode: str, group: int, prompt: list[int], max_seq_len: int, steps: int = 16) -> dict:
@@ -127,7 +113,7 @@ def main() -> None:
             w, kv = floor_bytes(weights, cfg, a.prompt_len)
             row.update(decode_ms_b1=round(step1, 4), tok_s_b1=round(1000 / step1, 1),
                        floor_ms_b1=round(1000 * (w + kv) / bw, 4), share_of_floor_b1=round(1000 * (w + kv) / bw / step1, 3))
-            step_s = batched_step_ms(engine, sessions)
+            step_s = batched_step_ms(engine, sessions, steps=50, warmup=3)
             row.update(decode_ms_s=round(step_s, 4), tok_s_s=round(a.sessions * 1000 / step_s, 1),
                        floor_ms_s=round(1000 * (w + a.sessions * kv) / bw, 4))
             for s in sessions:

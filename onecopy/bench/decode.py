@@ -91,13 +91,19 @@ def decode_step_ms(engine, session, steps: int = 100, warmup: int = 5) -> float:
     """Device ms of one batch-1 decode step of ``session`` at its position (the bucket-1 graph where
     captured), the mean of ``steps`` back-to-back steps timed with CUDA events. The position is not
     advanced: every step reads the same context."""
-    tok = torch.tensor([1], device=engine.device)
+    return batched_step_ms(engine, [session], steps, warmup)
+
+
+def batched_step_ms(engine, sessions: list, steps: int = 100, warmup: int = 5) -> float:
+    """`decode_step_ms` for ``sessions`` decoding together in one step (their batch size's graph)."""
+    rows, positions = [s.row for s in sessions], [s.position for s in sessions]
+    tok = torch.ones(len(rows), dtype=torch.long, device=engine.device)
     for _ in range(warmup):
-        engine.runner.decode([session.row], [session.position], tok)
+        engine.runner.decode(rows, positions, tok)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(steps):
-        engine.runner.decode([session.row], [session.position], tok)
+        engine.runner.decode(rows, positions, tok)
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / steps
