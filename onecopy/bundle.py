@@ -33,7 +33,7 @@ TOKENIZER = "tokenizer.json"
 
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool}
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn}
 
 
 def table_width(max_seq_len: int, kv_block_size: int) -> int:

@@ -253,8 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     keep.add_argument("--keep-quantized", dest="dequantize", action="store_false",
                       help="keep a quantized GGUF's weights packed at their size (the default for --device cuda; "
                            "on CPU each call dequantizes them: less memory, slower decode)")
-    e.add_argument("--quantize", choices=["int8", "int4"],
-                   help="quantize a float checkpoint's projections: int8 symmetric or int4 asymmetric, per group")
+    e.add_argument("--quantize", choices=["int8", "int4", "fp8"],
+                   help="quantize a float checkpoint's projections: int8 symmetric or int4 asymmetric, per group; "
+                        "fp8: float8 e4m3 with a scale per output feature, multiplied with FP8 activations on FP8 "
+                        "tensor cores (compute capability 8.9+; its decode has no batch-invariant form)")
     e.add_argument("--group-size", type=int, default=128, choices=[16, 32, 64, 128],
                    help="values per scale with --quantize (default 128)")
     e.add_argument("--kv-dtype", choices=["bf16", "int8", "fp8"], default="bf16",
@@ -309,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--bundle", help="bundle directory: reused if present, else exported there")
     b.add_argument("--work", default="/tmp/onecopy-bench", help="where bundles are exported when --bundle is not given")
     b.add_argument("--prompt-lens", default="128,1024,8192")
-    b.add_argument("--quantize", choices=["int8", "int4"], help="export onecopy's bundle with packed projections "
+    b.add_argument("--quantize", choices=["int8", "int4", "fp8"], help="export onecopy's bundle with packed projections "
                    "(the peers keep bf16: the same run compares them)")
     b.add_argument("--group-size", type=int, default=128, choices=[16, 32, 64, 128])
     b.add_argument("--max-seq-len", type=int, default=16384)

@@ -26,7 +26,9 @@ from .gguf_writer import write_tiny_gguf
 
 PROMPT = [7, 3, 99, 250, 18, 42, 5, 300, 11]
 PROJECTIONS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
-MODES = {"int8": ("q8s", 64), "int4": ("q4a", 32)}  # mode -> (layout, the group the fixture exports)
+# mode -> (layout, the group the fixture exports; fp8's group is always the row: K, 64 for w13)
+MODES = {"int8": ("q8s", 64), "int4": ("q4a", 32), "fp8": ("f8r", 64)}
+QWEIGHT_DTYPES = {"int8": torch.int8, "int4": torch.uint8, "fp8": torch.float8_e4m3fn}
 
 
 @pytest.fixture(scope="module", params=list(MODES))
@@ -75,7 +77,7 @@ def test_round_to_nearest_is_within_half_a_step_and_exact_on_the_grid(mode, grou
 
 
 def test_quantize_options_are_checked_before_anything_is_built(tmp_path, tiny_source):
-    with pytest.raises(ExportError, match=r"quantize='int3' is not supported; use int8 or int4 \(--quantize\)"):
+    with pytest.raises(ExportError, match=r"quantize='int3' is not supported; use int8 or int4 or fp8 \(--quantize\)"):
         onecopy.export(tiny_source, tmp_path / "a", quantize="int3", progress=False)
     with pytest.raises(ExportError, match=r"group size 48 is not supported; use one of 16, 32, 64, 128 \(--group-size\)"):
         onecopy.export(tiny_source, tmp_path / "b", quantize="int4", group_size=48, progress=False)
@@ -109,7 +111,7 @@ def test_packed_layers_are_recorded_stored_packed_and_reported(quantized, tiny_s
     assert m["packed"]["layers.1.feed_forward.w13"] == {"layout": layout, "group": group, "shape": [256, 64],
                                                         "source": f"{mode} rtn"}
     assert "layers.0.attention.wqkv.weight" not in m["weights"]
-    assert m["weights"]["layers.0.attention.wqkv.qweight"]["dtype"] == ("int8" if mode == "int8" else "uint8")
+    assert m["weights"]["layers.0.attention.wqkv.qweight"]["dtype"] == str(QWEIGHT_DTYPES[mode]).removeprefix("torch.")
     floats = sum(p["shape"][0] * p["shape"][1] for p in m["packed"].values())
     with onecopy.Engine.load(bundle) as engine:
         with engine.open_session() as s:
@@ -119,7 +121,7 @@ def test_packed_layers_are_recorded_stored_packed_and_reported(quantized, tiny_s
         # the store holds each packed tensor once, at its packed size, and both methods read that one
         q = "layers.0.feed_forward.w2.qweight"
         stored = engine.weights.get(q)
-        assert stored.dtype == torch.uint8 if mode == "int4" else torch.int8
+        assert stored.dtype == QWEIGHT_DTYPES[mode]
         assert engine.method("prefill").bound[q] == engine.method("decode").bound[q] == stored.data_ptr()
         # what a float peer loads (onecopy bench): the packed layers' values as <layer>.weight
         peer = as_float_weights(engine.weights.as_map(m["weights"]), m["packed"], torch.float32)
@@ -127,7 +129,7 @@ def test_packed_layers_are_recorded_stored_packed_and_reported(quantized, tiny_s
         assert torch.equal(peer["layers.1.feed_forward.w2.weight"], dequantize(model.layers[1].feed_forward.w2.weight))
     want = sum(packed_bytes(tuple(p["shape"]), p["layout"], p["group"]) for p in m["packed"].values())
     assert report.packed_weight_bytes == want and report.packed_as_float_bytes == 4 * floats
-    assert report.packed_weight_bytes < (0.35 if mode == "int8" else 0.25) * report.packed_as_float_bytes
+    assert report.packed_weight_bytes < (0.25 if mode == "int4" else 0.35) * report.packed_as_float_bytes
     assert "packed weights (as float)" in str(report)
 
 
@@ -138,7 +140,7 @@ def test_a_bundle_with_an_unknown_layout_is_refused_and_nothing_is_loaded(quanti
     m["packed"]["layers.0.attention.wo"]["layout"] = "q3x"
     (b / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(UnknownWeightLayoutError, match=r"layer 'layers.0.attention.wo' has weight layout 'q3x', "
-                                                       r"which this onecopy cannot read \(it reads q8s, q4z, q4a, q8a\)"):
+                                                       r"which this onecopy cannot read \(it reads q8s, q4z, q4a, q8a, f8r\)"):
         onecopy.Engine.load(b)
     m["packed"]["layers.0.attention.wo"].update(layout=MODES[quantized[0]][0], shape=[64, 128])
     (b / "manifest.json").write_text(json.dumps(m))

@@ -106,6 +106,10 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
                           "kv_block=None (--kv-block none)")
     if quantize is not None and quantize not in QUANTIZE_MODES:
         raise ExportError(f"quantize={quantize!r} is not supported; use {' or '.join(QUANTIZE_MODES)} (--quantize)")
+    if quantize == "fp8" and device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        raise ExportError(f"quantize='fp8' multiplies on FP8 tensor cores: it needs a GPU of compute capability 8.9 or "
+                          f"newer (Ada, Hopper), this one is {'.'.join(map(str, torch.cuda.get_device_capability()))}; "
+                          "use quantize='int8' (--quantize int8)")
     if quantize is not None and group_size not in GROUPS:
         raise ExportError(f"group size {group_size} is not supported; use one of {', '.join(map(str, GROUPS))} "
                           "(--group-size)")

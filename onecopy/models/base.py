@@ -12,6 +12,7 @@ from torch import nn
 from ..bundle import InputSpec, table_width
 from . import invariant
 from .invariant import invariant_method
+from .packed import has_activation_quantized
 
 MAX_BATCH = 1024  # most sessions one decode call takes
 MAX_POOL_ROWS = 1 << 16  # most state-pool rows a method accepts
@@ -143,7 +144,8 @@ def pooled_methods(specs: dict[str, tuple[list[int], torch.dtype]], max_seq_len:
         # *pools (the table first when paged): one entry of dynamic shapes
         full, dims = args + table + pools, shapes + (table_dims + pool_dims,)
         out[name] = MethodDef(module, full, dims, inputs, role, fqns, paged=bool(kv_block))
-        if role == "decode" and invariant.available(device):
+        # An FP8 GEMM (cuBLAS / CUTLASS tiles picked per batch size) has no batch-invariant form.
+        if role == "decode" and invariant.available(device) and not has_activation_quantized(module):
             out[f"{name}_invariant"] = MethodDef(invariant_method(module), full, dims, inputs, role, fqns,
                                                  batch_invariant=True, paged=bool(kv_block))
     return out

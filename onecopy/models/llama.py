@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
@@ -25,7 +24,7 @@ from .attention import KVCache, Step, attend_pooled
 from .base import MethodDef, PooledModel, as_method, pooled_methods
 from .layers import FeedForward, RMSNorm, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
 from .packed import flatten, kernel_linear, matmul
-from .projections import by_rows, fused_decode, kernel_rows, linear, sum_of_squares
+from .projections import by_rows, fp8_rows, fused_decode, kernel_rows, linear, sum_of_squares
 
 
 @dataclass
@@ -140,8 +139,9 @@ class Block(nn.Module):
             h, ss_h = kernel_linear(y, wo, residual=x)
             return kernel_linear(kernel_linear(h, w13, glu=True, norm=(g, ss_h, eps))[0], w2, residual=h)
 
-        def rest_many(y, x, g, wo, w13, w2):
-            h = x + F.linear(y, wo)
+        def rest_many(y, x, g, *flat):
+            wo, w13, w2 = unflatten(flat)
+            h = x + matmul(y, wo)
             out = h + swiglu(rms_norm(h, g, eps), w13, w2)  # FeedForward's ops on the branch's operands
             # Same outputs as the few-rows branch; the sums are unused here (the norms recompute them).
             return out, out.new_empty((out.shape[0], kernels.small_linear_programs(dim, False)), dtype=torch.float32)
@@ -149,6 +149,8 @@ class Block(nn.Module):
         operands = (y, x, self.ffn_norm.weight, *flat)
         if kernel_rows(weights):  # packed: the kernel for any number of rows (`projections.kernel_rows`)
             return rest_few(*operands)
+        if fp8_rows(weights):  # FP8: its GEMM for any number of rows (`projections.fp8_rows`)
+            return rest_many(*operands)
         return by_rows(n, rest_few, rest_many, operands)
 
 

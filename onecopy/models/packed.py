@@ -2,15 +2,21 @@
 
 A packed weight [N, K] is ``qweight`` (int8/uint8 values, two 4-bit values per byte for the nibble
 layouts), ``scales`` and, for the affine layouts, ``mins`` (float32 [N, K / group]); `LAYOUTS` lists
-the four layouts and their arithmetic (the GGUF repack, `gguf_repack`, and the export-time
-quantizer, `quantize`, both produce them). A layer that holds one (`PackedLinear`, `PackedEmbedding`)
-keeps the three tensors as buffers, so that export lifts them as constants under FQNs of their own
-(``<module>.qweight``, ``.scales``, ``.mins``) and the weight store holds them at their packed size.
+the layouts and their arithmetic (the GGUF repack, `gguf_repack`, and the export-time
+quantizer, `quantize`, both produce them). One layout quantizes the activations too: ``f8r`` holds
+float8 e4m3 values with one float32 scale per output feature (its group is the whole row, K), and
+its layers multiply on the FP8 tensor cores (`fp8_linear`): each row of x is scaled into e4m3 on the
+fly, so at a wide batch the GEMM runs at twice the bf16 rate (Hopper, Ada). A layer that holds one
+(`PackedLinear`, `PackedEmbedding`) keeps the tensors as buffers, so that export lifts them as
+constants under FQNs of their own (``<module>.qweight``, ``.scales``, ``.mins``) and the weight
+store holds them at their packed size.
 
 `matmul` is how every projection reads its weight, float or packed: a packed one is dequantized in
 the graph and multiplied (CPU; CUDA prefill, where one kernel writes the copy, `kernels.dequantize`);
 a CUDA decode step, and a prefill's LM head on its one row, instead read it packed inside the
 small-linear kernel (`projections`, `kernels.small_linear`), which dequantizes each tile as it goes.
+An ``f8r`` weight takes `fp8_linear` everywhere (CPU and CUDA, any number of rows); it has no
+batch-invariant kernel, so its bundles export no batch-invariant decode (`activation_quantized`).
 """
 
 from __future__ import annotations
@@ -25,8 +31,12 @@ from torch import nn
 from .. import kernels
 
 # layout -> (values per byte, affine): value = s * q (q8s), s * (q - 8) (q4z), s * q + m (q4a, q8a)
-LAYOUTS: dict[str, tuple[int, bool]] = {"q8s": (1, False), "q4z": (2, False), "q4a": (2, True), "q8a": (1, True)}
-# Each layout's number in the kernels' LAYOUT constexpr (0 is a float weight).
+# f8r: value = s * q with q float8 e4m3 and one s per output feature (a group of K)
+LAYOUTS: dict[str, tuple[int, bool]] = {"q8s": (1, False), "q4z": (2, False), "q4a": (2, True), "q8a": (1, True),
+                                        "f8r": (1, False)}
+ACTIVATION_QUANTIZED = frozenset({"f8r"})  # layouts multiplied by `fp8_linear`, not read by the Triton kernels
+FP8_MAX = 448.0  # the largest finite float8 e4m3fn value
+# Each kernel-read layout's number in the kernels' LAYOUT constexpr (0 is a float weight).
 LAYOUT_IDS = {"q8s": 1, "q4z": 2, "q4a": 3, "q8a": 4}
 GROUPS = (16, 32, 64, 128)  # values per scale the kernels read (a power of two, at most one K tile)
 PACKED_PARTS = ("qweight", "scales", "mins")  # the buffers a packed layer holds, in this order
@@ -81,12 +91,43 @@ def dequantize(w: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     s = w.scales.reshape(n, k // w.group, 1)
     if w.layout == "q4z":
         out = s * (q - 8.0)  # exact small integers; 8 - 8 is +0.0, as gguf's int8 0 is
-    elif w.layout == "q8s":
+    elif w.layout in ("q8s", "f8r"):
         out = s * q
     else:
         assert w.mins is not None
         out = s * q + w.mins.reshape(n, k // w.group, 1)  # two ops, as gguf; s * q is exact, so an FMA agrees
     return out.reshape(n, k).to(dtype)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of x [M, K] in float8 e4m3 and its float32 scale [M, 1] (max |x| / 448, rounded to nearest):
+    the dynamic per-token activation quantization of `fp8_linear`. A row of zeros gets a tiny scale, not 0."""
+    xf = x.float()
+    s = xf.abs().amax(-1, keepdim=True).clamp_min(1e-12) / FP8_MAX
+    return (xf / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s
+
+
+def fp8_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` for an ``f8r`` weight, on the FP8 tensor cores: x's rows quantized to e4m3
+    (`quantize_rows`), one ``torch._scaled_mm`` with the row and feature scales, in x's dtype. Each output
+    row depends on its input row alone in exact arithmetic, but the GEMM's kernel (its tiles) is cuBLAS's
+    or CUTLASS's choice per batch size: not batch-invariant bit for bit."""
+    rows = x.reshape(-1, x.shape[-1])
+    q, s = quantize_rows(rows)
+    y = torch._scaled_mm(q, w.qweight.t(), scale_a=s, scale_b=w.scales.reshape(1, -1), out_dtype=x.dtype)
+    y = y.reshape(*x.shape[:-1], w.out_features)
+    return y if bias is None else y + bias
+
+
+def activation_quantized(w: Weight | None) -> bool:
+    """True for a weight that `fp8_linear` multiplies (an ``f8r`` one): it never takes a Triton kernel."""
+    return isinstance(w, Packed) and w.layout in ACTIVATION_QUANTIZED
+
+
+def has_activation_quantized(module: nn.Module) -> bool:
+    """True when any layer of ``module`` holds an activation-quantized (``f8r``) weight: its decode has no
+    batch-invariant form (a deterministic engine runs it one row per call, `runtime.step`)."""
+    return any(isinstance(m, _PackedLayer) and m.layout in ACTIVATION_QUANTIZED for m in module.modules())
 
 
 def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -97,6 +138,8 @@ def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     read it packed in the small-linear kernel rather than write and read the whole matrix in x's dtype."""
     if not isinstance(w, Packed):
         return F.linear(x, w, bias)
+    if w.layout in ACTIVATION_QUANTIZED:
+        return fp8_linear(x, w, bias)
     from . import invariant  # here, not at the top: invariant reads weights through `kernel_linear`
 
     if invariant.active():
@@ -152,8 +195,9 @@ def check_packed(layout: str, group: int, shape: tuple[int, int], qweight: torch
         raise ValueError(f"unknown weight layout {layout!r}; this onecopy reads {', '.join(LAYOUTS)}")
     per_byte, affine = LAYOUTS[layout]
     n, k = shape
-    want_q = torch.int8 if layout == "q8s" else torch.uint8
-    ok = (group in GROUPS and k % group == 0 and k % per_byte == 0 and qweight.dtype == want_q
+    want_q = {"q8s": torch.int8, "f8r": torch.float8_e4m3fn}.get(layout, torch.uint8)
+    ok = ((group == k if layout == "f8r" else group in GROUPS) and k % group == 0 and k % per_byte == 0
+          and qweight.dtype == want_q
           and tuple(qweight.shape) == (n, k // per_byte) and scales.dtype == torch.float32
           and tuple(scales.shape) == (n, k // group) and (mins is not None) == affine
           and (mins is None or (mins.dtype == torch.float32 and mins.shape == scales.shape)))
@@ -161,7 +205,7 @@ def check_packed(layout: str, group: int, shape: tuple[int, int], qweight: torch
         raise ValueError(f"a {layout} weight of shape {list(shape)}, group {group} needs qweight {want_q} "
                          f"{[n, k // per_byte]} and float32 scales{' and mins' if affine else ''} {[n, k // group]}; "
                          f"got qweight {qweight.dtype} {list(qweight.shape)}, scales {scales.dtype} {list(scales.shape)}"
-                         f"{'' if mins is None else f', mins {list(mins.shape)}'} (groups: {GROUPS})")
+                         f"{'' if mins is None else f', mins {list(mins.shape)}'} (groups: {GROUPS}; f8r: one per row, K)")
 
 
 class _PackedLayer(nn.Module):

@@ -9,7 +9,8 @@ batches keep cuBLAS and Inductor's fusions. The choice is a ``torch.cond`` on th
 the exported method evaluates on the host: each batch size's CUDA graph holds only its branch.
 A batch-invariant decode (traced under `invariant.BatchInvariant`) takes none of this: its linears
 are `invariant.linear_rows`, its norms apart. A packed (quantized) weight (`packed`) takes the kernel
-for any number of rows (`kernel_rows`).
+for any number of rows (`kernel_rows`), except an FP8 one (``f8r``), which takes `packed.fp8_linear`
+for any number of rows (its norms apart: the FP8 GEMM folds none).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from .. import kernels
 from . import invariant
 from .layers import rms_norm
-from .packed import Packed, Weight, flatten, kernel_linear
+from .packed import Packed, Weight, activation_quantized, flatten, kernel_linear, matmul
 
 
 def fused_decode(x: torch.Tensor, decode: bool) -> bool:
@@ -50,9 +51,12 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
 
     ``norm`` = (weight, partial sums of squares of x's rows, eps): an RMSNorm of ``x`` first, folded
     into the kernel for a few rows (see `kernels.small_linear`), `layers.rms_norm` for more.
-    A packed ``weight`` takes the kernel for any number of rows (`kernel_rows`).
+    A packed ``weight`` takes the kernel for any number of rows (`kernel_rows`); an FP8 (``f8r``) one
+    `packed.fp8_linear`, the norm before it.
     """
     nw, ss, eps = norm if norm is not None else (None, None, 0.0)
+    if activation_quantized(weight):
+        return matmul(rms_norm(x, nw, eps) if norm is not None else x, weight, bias)
     wt, unflatten = flatten([weight])
 
     def few(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
@@ -72,10 +76,17 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
 
 def kernel_rows(weights: Sequence[Weight]) -> bool:
     """True when a decode step of any number of rows takes the small-linear kernel for these weights
-    (no cuBLAS branch): when any is packed. Dequantizing for cuBLAS would write and read the weight in
-    bf16 every step; the kernel runs them in 16-row programs, a row block's weight tiles shared through
-    L2 (a branch per row count returned partial sums whose symbolic strides ``torch.cond`` refuses)."""
-    return any(isinstance(w, Packed) for w in weights)
+    (no cuBLAS branch): when any is packed and none is FP8 (`fp8_rows`). Dequantizing for cuBLAS would
+    write and read the weight in bf16 every step; the kernel runs them in 16-row programs, a row
+    block's weight tiles shared through L2 (a branch per row count returned partial sums whose
+    symbolic strides ``torch.cond`` refuses)."""
+    return any(isinstance(w, Packed) for w in weights) and not fp8_rows(weights)
+
+
+def fp8_rows(weights: Sequence[Weight]) -> bool:
+    """True when these weights are FP8 (``f8r``): a decode step of any number of rows takes
+    `packed.fp8_linear` (the ops of the many-rows branch), never the small-linear kernel."""
+    return any(activation_quantized(w) for w in weights)
 
 
 def sum_of_squares(x: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,9 @@
 Two ways in, one result (`models.packed` layers in place of the float ones):
 - a GGUF source keeps its quantized tensors (`gguf_repack` layouts, lossless) unless asked to dequantize;
 - ``--quantize int8|int4`` quantizes a float model's projections round-to-nearest per group of K:
-  int8 symmetric (q8s: s = max|w| / 127), int4 asymmetric (q4a: s = (max - min) / 15, m = min).
+  int8 symmetric (q8s: s = max|w| / 127), int4 asymmetric (q4a: s = (max - min) / 15, m = min);
+  ``--quantize fp8`` to float8 e4m3 with one scale per output feature (f8r: s = max|w| / 448; its
+  group is the row, whatever ``group``), multiplied with FP8 activations (`packed.fp8_linear`).
 Only the Llama family's projections (wqkv, wo, w13, w2, the LM head) and, from GGUF, its embedding are
 packed; norms, biases and RoPE stay float. `packed_layers` is what the manifest records.
 """
@@ -16,9 +18,9 @@ import torch
 from torch import nn
 
 from ..errors import ExportError
-from .packed import GROUPS, LAYOUTS, Packed, PackedEmbedding, PackedLinear
+from .packed import FP8_MAX, GROUPS, LAYOUTS, Packed, PackedEmbedding, PackedLinear
 
-QUANTIZE_MODES = {"int8": "q8s", "int4": "q4a"}  # --quantize -> layout
+QUANTIZE_MODES = {"int8": "q8s", "int4": "q4a", "fp8": "f8r"}  # --quantize -> layout
 DEFAULT_GROUP = 128
 
 
@@ -27,6 +29,10 @@ def quantize_weight(w: torch.Tensor, mode: str, group: int = DEFAULT_GROUP) -> P
     if mode not in QUANTIZE_MODES:
         raise ExportError(f"quantize={mode!r} is not supported; use {' or '.join(QUANTIZE_MODES)} (--quantize)")
     n, k = w.shape
+    if mode == "fp8":
+        s = w.detach().float().abs().amax(-1, keepdim=True) / FP8_MAX
+        q = (w.detach().float() / torch.where(s > 0, s, 1.0)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return Packed("f8r", k, q, s.contiguous())
     if group not in GROUPS or k % group:
         raise ExportError(f"group size {group} does not divide a weight's {k} inputs or is not one of {GROUPS} "
                           "(--group-size)")

@@ -146,3 +146,46 @@ def test_smollm2_gguf_stays_packed_on_cuda_and_answers_paris(tmp_path):
     assert "Paris" in text
     assert r.unique_weight_bytes < 0.5 * 2 * 134.5e6  # bf16 would take ~270 MB
     print("smollm2 packed on cuda:", r.unique_weight_bytes, text)
+
+
+@pytest.fixture(scope="module")
+def fp8_cuda(tmp_path_factory):
+    return onecopy.export("tiny-llama", tmp_path_factory.mktemp("b") / "fp8", max_seq_len=128, device="cuda",
+                          quantize="fp8", progress=False)
+
+
+def test_fp8_bundle_on_cuda_matches_its_eager_model_and_has_no_invariant_decode(fp8_cuda):
+    """FP8 weights (``f8r``: e4m3 values, a scale per output feature, FP8 GEMMs on x's rows quantized per
+    row): greedy tokens of the compiled model equal the eager model's (the same ops; Inductor's fused row
+    quantization may round a division differently), graph and eager decode alike; the weights are stored
+    as e4m3 and bound once; no batch-invariant decode is exported, so a deterministic engine runs the
+    decode one row per call and a session's tokens are the same batched or alone."""
+    from onecopy.models.quantize import quantize_model
+    from onecopy.models.source import resolve_source
+
+    from ..conftest import eager_greedy
+
+    model = resolve_source("tiny-llama").build(128, torch.bfloat16, "cuda")
+    quantize_model(model, "fp8")
+    prompt = [5, 77, 300, 12, 9, 401, 3]
+
+    class OnCuda(torch.nn.Module):  # eager_greedy builds CPU inputs
+        def forward(self, tokens, pos):
+            return model(tokens.cuda(), pos.cuda())
+
+    want = eager_greedy(OnCuda(), prompt, 24)
+    params = onecopy.SamplingParams(max_new_tokens=24)
+    for graphs in (True, False):
+        with onecopy.Engine.load(fp8_cuda, "cuda", max_sessions=4, cuda_graphs=graphs) as e:
+            assert not any(m.batch_invariant for m in e.manifest.methods.values())
+            q = "layers.0.feed_forward.w2.qweight"
+            assert e.weights.get(q).dtype == torch.float8_e4m3fn
+            assert e.method("prefill").bound[q] == e.method("decode").bound[q] == e.weights.get(q).data_ptr()
+            solo = list(e.open_session().generate_ids(prompt, params, stop_ids=[]))
+        agree = sum(a == b for a, b in zip(solo, want))
+        assert agree >= 20, (solo, want)
+    with onecopy.Engine.load(fp8_cuda, "cuda", max_sessions=4, deterministic=True) as e:
+        assert e.role_method("decode") == "decode"
+        alone = list(e.open_session().generate_ids(prompt, params, stop_ids=[]))
+        streams = [e.submit(prompt if i == 0 else [i + 1, 2, 3], params, stop_ids=[]) for i in range(3)]
+        assert [s.result(timeout=120) for s in streams][0] == alone
