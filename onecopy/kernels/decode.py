@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from .tiles import BLOCK_N, BLOCK_N_Q8, SPLIT_MAX, decode_splits, merged_rows, n_splits
+from .tiles import BLOCK_N, BLOCK_N_Q8, DECODE_PROGRAMS, DECODE_PROGRAMS_Q8, SPLIT_MAX, decode_splits, merged_rows, n_splits
 
 
 @functools.cache
@@ -229,7 +229,7 @@ def _launch(q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, k_p
     g = hq // hkv
     split_max, block, warps, stages = tiles or (SPLIT_MAX, BLOCK_N_Q8 if scales else BLOCK_N, 4, 2)
     ns = n_splits(s, split_max, block)
-    nse = ns if invariant or tiles else decode_splits(b, hkv, ns)
+    nse = ns if invariant or tiles else decode_splits(b, hkv, ns, DECODE_PROGRAMS_Q8 if scales else DECODE_PROGRAMS)
     po = torch.empty((b, hq, ns, d), dtype=torch.float32, device=q.device)
     pml = torch.empty((b, hq, ns, 2), dtype=torch.float32, device=q.device)
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)

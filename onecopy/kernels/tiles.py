@@ -13,13 +13,19 @@ BLOCK_N = 64  # cache positions per inner step
 # one block per head instead of 4 of four). A row's split depends only on its own length.
 SPLIT_MAX = 256
 # With many rows there are programs enough without splitting the rows: from DECODE_PROGRAMS (row, KV head)
-# pairs (64 rows of 8 KV heads) the default decode runs one program per pair (`decode_splits`): no partial
-# results to merge, long programs that stream the cache. Fewer rows keep every split of the table (at 16-32
-# rows of the 8B shape fewer splits read slower: 0.67 -> 0.58 of copy bandwidth at 16 rows of 4k).
-# The batch-invariant decode always keeps them: a row's splits then depend on its own length alone.
+# pairs (128 rows of 8 KV heads) a bf16 cache's default decode runs one program per pair (`decode_splits`):
+# no partial results to merge, long programs that stream the cache; an 8-bit cache from DECODE_PROGRAMS_Q8
+# (64 rows), where its split kernel then writes the output itself (`merged_rows`). Fewer rows keep every
+# split of the table (at 16-32 rows of the 8B shape fewer splits read slower: 0.67 -> 0.58 of copy bandwidth
+# at 16 rows of 4k). The batch-invariant decode always keeps them: a row's splits then depend on its own
+# length alone.
 # H200, 8B shape (benchmarks/kv_attention_cuda.py, results/kv_attention_h200.json, the same run): bf16 at
-# 64-256 rows of 1k 0.54-0.58 -> 0.70-0.82 of copy bandwidth, of 4k 0.81-0.85 -> 0.87-0.95.
-DECODE_PROGRAMS = 512
+# 64-256 rows of 1k 0.54-0.58 -> 0.70-0.82 of copy bandwidth, of 4k 0.81-0.85 -> 0.87-0.95, in a 16k pool.
+# But whole decode steps of a 2k pool (8 layers, 1k prompts + 512 new tokens, same run, one H200) ran 64 bf16
+# rows in 2.61 ms with one split per pair and 2.50-2.52 ms with every split (9 per row), 128 and 256 rows the
+# same either way (results/decode_programs_8l_h200.json): so bf16 splits its rows up to 127.
+DECODE_PROGRAMS = 1024
+DECODE_PROGRAMS_Q8 = 512
 # An 8-bit cache's positions per inner step: twice the positions for the same bytes in flight (at 64-256
 # rows 0.24-0.38 -> 0.41-0.53 of copy bandwidth with one split per row; --sweep, kv_attention_sweep_h200.json).
 BLOCK_N_Q8 = 128
@@ -83,12 +89,13 @@ def n_splits(max_seq_len: int, split_max: int = SPLIT_MAX, block: int = BLOCK_N)
     return -(-max_seq_len // min(split_max, -(-max_seq_len // block) * block))
 
 
-def decode_splits(rows, kv_heads: int, splits: int):
+def decode_splits(rows, kv_heads: int, splits: int, programs: int = DECODE_PROGRAMS):
     """Splits launched per (row, KV head) for ``rows`` rows (an int, or the traced batch size: a SymInt, so
-    that one exported decode picks per call): ``splits`` below DECODE_PROGRAMS (row, KV head) pairs, else 1."""
+    that one exported decode picks per call): ``splits`` below ``programs`` (row, KV head) pairs
+    (`DECODE_PROGRAMS`, or `DECODE_PROGRAMS_Q8` for an 8-bit cache), else 1."""
     import torch
 
-    return splits - (splits - 1) * torch.sym_min(1, rows * kv_heads // DECODE_PROGRAMS)
+    return splits - (splits - 1) * torch.sym_min(1, rows * kv_heads // programs)
 
 
 def merged_rows(rows, splits):

@@ -201,15 +201,15 @@ def test_graphs_need_a_shared_weight_decode(tmp_path):
 
 
 def test_decode_attention_kernel_matches_float64():
-    """The Triton split-KV kernel against a float64 reference, on random data, lengths from 1 to full; 70 rows of
-    8 KV heads take one program per row and head (`tiles.decode_splits`), the others every split."""
+    """The Triton split-KV kernel against a float64 reference, on random data, lengths from 1 to full; 130 rows
+    of 8 KV heads take one program per row and head (`tiles.decode_splits`), the others every split."""
     from onecopy import kernels
     from onecopy.models.attention import pooled_attention
 
     torch.manual_seed(0)
-    assert kernels.tiles.decode_splits(70, 8, kernels.n_splits(512)) == 1 < kernels.n_splits(512)
+    assert kernels.tiles.decode_splits(130, 8, kernels.n_splits(512)) == 1 < kernels.n_splits(512)
     for b, hq, hkv, d, s, p in [(3, 4, 2, 16, 64, 5), (17, 32, 8, 128, 2048, 20), (5, 9, 3, 64, 700, 6), (2, 6, 6, 64, 1500, 3),
-                                (70, 32, 8, 128, 512, 72)]:
+                                (130, 32, 8, 128, 512, 132)]:
         q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
         kp = torch.randn(p, hkv, s, d, device="cuda", dtype=torch.bfloat16)
         vp = torch.randn_like(kp)
@@ -509,13 +509,13 @@ def test_paged_prefill_attention_equals_the_row_kernel_bit_for_bit(bs):
 
 
 def test_invariant_decode_attention_keeps_a_rows_splits_whatever_the_batch():
-    """``invariant``: a row's attention is bit for bit the same alone and among 69 others (70 rows of 8 KV
+    """``invariant``: a row's attention is bit for bit the same alone and among 129 others (130 rows of 8 KV
     heads, where the default decode runs one program per row and head, `tiles.decode_splits`); one row alone
-    gets the same splits either way; the default 70-row call is another (unsplit) reduction."""
+    gets the same splits either way; the default 130-row call is another (unsplit) reduction."""
     from onecopy import kernels
 
     torch.manual_seed(0)
-    b, hq, hkv, d, s, bs = 70, 32, 8, 128, 1024, 16
+    b, hq, hkv, d, s, bs = 130, 32, 8, 128, 1024, 16
     table = torch.randperm(b * s // bs, device="cuda").view(b, s // bs)
     kp = torch.randn(b * s // bs, hkv, bs, d, device="cuda", dtype=torch.bfloat16)
     vp = torch.randn_like(kp)
@@ -524,7 +524,7 @@ def test_invariant_decode_attention_keeps_a_rows_splits_whatever_the_batch():
     lengths = torch.randint(s // 2, s + 1, (b,), device="cuda")
     fixed = kernels.paged_decode_attention(q, kp, vp, table, rows, lengths, invariant=True)
     default = kernels.paged_decode_attention(q, kp, vp, table, rows, lengths)
-    for i in (0, 33, 69):
+    for i in (0, 33, 129):
         one = (q[i:i + 1], kp, vp, table, rows[i:i + 1], lengths[i:i + 1])
         alone = kernels.paged_decode_attention(*one, invariant=True)
         assert torch.equal(fixed[i], alone[0]), i
