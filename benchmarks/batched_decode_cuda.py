@@ -119,6 +119,8 @@ def main() -> None:
     ap.add_argument("--modes", default="batched,unbatched,transformers", help="also: deterministic")
     ap.add_argument("--kv-dtype", default="bf16", choices=["bf16", "int8", "fp8"],
                     help="the KV cache's storage when the bundle is exported here")
+    ap.add_argument("--quantize", choices=["int8", "int4", "fp8"],
+                    help="the projections' packing when the bundle is exported here (fp8: FP8 GEMMs)")
     ap.add_argument("--token-budget", type=int, help="Engine.load(token_budget=): several prompts' prefill chunks "
                     "per iteration (at 128+ sessions one chunk per iteration outlasts the first sessions' decode)")
     ap.add_argument("--requests", type=int, help="saturation: this many requests at once for each count, queued for "
@@ -131,13 +133,14 @@ def main() -> None:
     modes = a.modes.split(",")
     res: dict = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(),
                  "torch": torch.__version__, "source": a.source, "max_seq_len": a.max_seq_len,
-                 "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "kv_dtype": a.kv_dtype, "token_budget": a.token_budget,
+                 "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "kv_dtype": a.kv_dtype, "quantize": a.quantize,
+                 "token_budget": a.token_budget,
                  "requests": a.requests, "results": {}}
     bundle = Path(a.bundle)
     if not (bundle / "manifest.json").is_file():
         t0 = time.perf_counter()
         onecopy.export(a.source, bundle, max_seq_len=a.max_seq_len, device="cuda", overwrite=True, progress=False,
-                       kv_dtype=a.kv_dtype)
+                       kv_dtype=a.kv_dtype, quantize=a.quantize)
         res["export_s"] = round(time.perf_counter() - t0, 1)
         print("exported in", res["export_s"], "s", flush=True)
     vocab = resolve_source(a.source).config.vocab_size
@@ -149,6 +152,7 @@ def main() -> None:
     res["load_s"] = round(time.perf_counter() - t0, 1)
     res["memory_report"] = str(engine.memory_report())
     res["kv_storage"] = engine.memory_report().kv_dtype  # what the bundle holds (a reused one may differ from --kv-dtype)
+    res["weight_layouts"] = sorted({p["layout"] for p in engine.manifest.packed.values()}) or ["float"]
     r = engine.memory_report()
     res["memory"] = {"weights_bytes": r.resident_weight_bytes, "pool_bytes": r.pool_bytes, "pool_rows": r.pool_rows,
                      "graph_buckets": r.graph_buckets, "graphs_and_runners_bytes": r.graph_bytes,

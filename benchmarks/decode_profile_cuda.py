@@ -31,7 +31,7 @@ import onecopy  # noqa: E402
 from onecopy.bench.decode import batched_step_ms  # noqa: E402
 
 KINDS = [("attention_split", r"split_kernel"), ("attention_merge", r"merge_kernel"), ("small_linear", r"linear_kernel"),
-         ("gemm", r"gemm|gemv|cutlass|nvjet|sm90_|cublas|splitK|reduce_kernel"), ("inductor_fused", r"^triton_")]
+         ("gemm", r"gemm|gemv|cutlass|nvjet|sm90_|cublas|splitK|reduce_kernel|f8f8bf16"), ("inductor_fused", r"^triton_")]
 
 
 def kind(name: str) -> str:
@@ -68,6 +68,7 @@ def main() -> None:
             torch.cuda.synchronize()
         n_layers = engine.manifest.config["n_layers"]
         kv_storage = engine.memory_report().kv_dtype
+        layouts = sorted({p["layout"] for p in engine.manifest.packed.values()}) or ["float"]
         max_seq_len = engine.max_seq_len  # the bundle's (a reused bundle may differ from --max-seq-len)
         for s in sessions:
             s.close()
@@ -90,7 +91,8 @@ def main() -> None:
     busy_us = sum(k["us_per_step"] for k in kernels.values())
     res = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "source": a.source, "n_layers": n_layers, "context": a.context,
-           "sessions": a.sessions, "kv_storage": kv_storage, "tok_s": round(1000 * a.sessions / step_ms, 1),
+           "sessions": a.sessions, "kv_storage": kv_storage, "weight_layouts": layouts,
+           "tok_s": round(1000 * a.sessions / step_ms, 1),
            "max_seq_len": max_seq_len, "step_ms_graph_replay": round(step_ms, 4),
            "kernel_busy_ms": round(busy_us / 1000, 4), "gaps_ms": round(step_ms - busy_us / 1000, 4),
            "by_kind": {k: {"us_per_step": round(v["us_per_step"], 1), "calls_per_step": round(v["calls_per_step"], 1),
