@@ -97,6 +97,23 @@ def test_dequantize_kernel_equals_the_torch_dequantization():
                     assert torch.equal(got, want), (name, dtype)
 
 
+def _eager_greedy_on_cuda(mode: str, group: int, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens of the eager tiny-llama (bf16, CUDA) with its projections quantized to ``mode``."""
+    from onecopy.models.quantize import quantize_model
+    from onecopy.models.source import resolve_source
+
+    from ..conftest import eager_greedy
+
+    model = resolve_source("tiny-llama").build(128, torch.bfloat16, "cuda")
+    quantize_model(model, mode, group)
+
+    class OnCuda(torch.nn.Module):  # eager_greedy builds CPU inputs
+        def forward(self, tokens, pos):
+            return model(tokens.cuda(), pos.cuda())
+
+    return eager_greedy(OnCuda(), prompt, n)
+
+
 @pytest.fixture(scope="module")
 def int4_cuda(tmp_path_factory):
     return onecopy.export("tiny-llama", tmp_path_factory.mktemp("b") / "int4", max_seq_len=128, device="cuda",
@@ -107,20 +124,8 @@ def test_int4_bundle_on_cuda_matches_its_eager_model_and_graphs_replay_it(int4_c
     """Greedy tokens of the compiled int4 model (packed kernels in decode and the prefill's LM head,
     the dequantize kernel + cuBLAS in prefill) equal the eager model's (the same ops run eagerly),
     graph and eager decode alike; batched sessions equal solo ones."""
-    from onecopy.models.quantize import quantize_model
-    from onecopy.models.source import resolve_source
-
-    from ..conftest import eager_greedy
-
-    model = resolve_source("tiny-llama").build(128, torch.bfloat16, "cuda")
-    quantize_model(model, "int4", 32)
     prompt = [5, 77, 300, 12, 9, 401, 3]
-
-    class OnCuda(torch.nn.Module):  # eager_greedy builds CPU inputs
-        def forward(self, tokens, pos):
-            return model(tokens.cuda(), pos.cuda())
-
-    want = eager_greedy(OnCuda(), prompt, 24)
+    want = _eager_greedy_on_cuda("int4", 32, prompt, 24)
     params = onecopy.SamplingParams(max_new_tokens=24)
     for graphs in (True, False):
         with onecopy.Engine.load(int4_cuda, "cuda", max_sessions=4, cuda_graphs=graphs) as e:
@@ -160,20 +165,8 @@ def test_fp8_bundle_on_cuda_matches_its_eager_model_and_has_no_invariant_decode(
     quantization may round a division differently), graph and eager decode alike; the weights are stored
     as e4m3 and bound once; no batch-invariant decode is exported, so a deterministic engine runs the
     decode one row per call and a session's tokens are the same batched or alone."""
-    from onecopy.models.quantize import quantize_model
-    from onecopy.models.source import resolve_source
-
-    from ..conftest import eager_greedy
-
-    model = resolve_source("tiny-llama").build(128, torch.bfloat16, "cuda")
-    quantize_model(model, "fp8")
     prompt = [5, 77, 300, 12, 9, 401, 3]
-
-    class OnCuda(torch.nn.Module):  # eager_greedy builds CPU inputs
-        def forward(self, tokens, pos):
-            return model(tokens.cuda(), pos.cuda())
-
-    want = eager_greedy(OnCuda(), prompt, 24)
+    want = _eager_greedy_on_cuda("fp8", 128, prompt, 24)  # fp8: one scale per row, whatever the group
     params = onecopy.SamplingParams(max_new_tokens=24)
     for graphs in (True, False):
         with onecopy.Engine.load(fp8_cuda, "cuda", max_sessions=4, cuda_graphs=graphs) as e:
