@@ -1,8 +1,11 @@
-"""How far an 8-bit KV cache moves a real model: SmolLM2-135M-Instruct (the embedded GGUF's weights) with
-its KV cache in the model's dtype, int8 and fp8 (`onecopy export --kv-dtype`), over long generations.
+"""How far an 8-bit KV cache (or FP8 weights) moves a real model: SmolLM2-135M-Instruct (the embedded GGUF's
+weights) with its KV cache in the model's dtype, int8 and fp8 (`onecopy export --kv-dtype`), or its
+projections in FP8 (`--quantize fp8`, with either cache), over long generations.
 
 Usage (any machine; CPU by default, from the repository root):
     python benchmarks/kv_dtype_accuracy.py --out benchmarks/results/kv_dtype_accuracy_smollm2_cpu.json
+    python benchmarks/kv_dtype_accuracy.py --variants fp8-weights,fp8-weights-int8-kv \
+        --out benchmarks/results/fp8_weights_accuracy_smollm2_cpu.json
 
 For each prompt, the full-precision cache's engine generates N greedy tokens; then
 - teacher-forced: each engine is fed that same token sequence and its logits are compared step by step
@@ -30,6 +33,10 @@ sys.path.insert(0, str(ROOT))
 
 import onecopy  # noqa: E402
 
+# variant -> export options, each compared with the model-dtype cache and float weights
+VARIANTS = {"int8": {"kv_dtype": "int8"}, "fp8": {"kv_dtype": "fp8"}, "fp8-weights": {"quantize": "fp8"},
+            "fp8-weights-int8-kv": {"quantize": "fp8", "kv_dtype": "int8"}}
+
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain, step by step, how a bill becomes a law in the United States.",
@@ -53,17 +60,19 @@ def main() -> None:
     ap.add_argument("--max-seq-len", type=int, default=512)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--work", default="/tmp/onecopy-kv-accuracy")
+    ap.add_argument("--variants", default="int8,fp8", help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     res: dict = {"command": "python " + " ".join(sys.argv), "source": a.source, "device": a.device,
                  "torch": torch.__version__, "new_tokens": a.new_tokens, "formats": {}}
     engines = {}
-    for fmt in ("model", "int8", "fp8"):
+    variants = a.variants.split(",")
+    for fmt in ["model", *variants]:
         path = Path(a.work) / f"{fmt}-msl{a.max_seq_len}"
         if not (path / "manifest.json").is_file():
             t0 = time.perf_counter()
             onecopy.export(a.source, path, max_seq_len=a.max_seq_len, device=a.device, overwrite=True, progress=False,
-                           kv_dtype=None if fmt == "model" else fmt)
+                           **VARIANTS.get(fmt, {}))
             print(f"exported {fmt} in {time.perf_counter() - t0:.0f} s", flush=True)
         engines[fmt] = onecopy.Engine.load(path, a.device, max_sessions=2)
     base = engines["model"]
@@ -76,7 +85,7 @@ def main() -> None:
         want = base.submit(prompt, greedy, stop_ids=[]).result()
         ref = teacher_forced(base, prompt, want)
         run = {"prompt": text, "prompt_tokens": len(prompt), "formats": {}}
-        for fmt in ("int8", "fp8"):
+        for fmt in variants:
             e = engines[fmt]
             got = teacher_forced(e, prompt, want)
             err = (got - ref).abs().amax(-1)
@@ -95,7 +104,7 @@ def main() -> None:
             print(fmt, text[:40], run["formats"][fmt], flush=True)
         runs.append(run)
     res["runs"] = runs
-    for fmt in ("int8", "fp8"):
+    for fmt in variants:
         rs = [r["formats"][fmt] for r in runs]
         res["formats"][fmt] = {
             "max_logit_error": max(r["teacher_forced_max_logit_error"] for r in rs),
