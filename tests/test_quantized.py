@@ -76,6 +76,18 @@ def test_round_to_nearest_is_within_half_a_step_and_exact_on_the_grid(mode, grou
     assert p.nbytes == packed_bytes((24, 256), p.layout, group)
 
 
+def test_fp8_is_within_half_an_e4m3_step_per_row_and_refuses_shapes_its_gemm_cannot_take():
+    w = torch.randn(32, 96, generator=torch.Generator().manual_seed(0))
+    p = quantize_weight(w, "fp8")
+    assert (p.layout, p.group, p.qweight.dtype, tuple(p.scales.shape)) == ("f8r", 96, torch.float8_e4m3fn, (32, 1))
+    assert torch.equal(p.qweight.float().abs().amax(-1), torch.full((32,), 448.0))  # each row spans the range
+    # e4m3 keeps 3 mantissa bits: within half a step (2^-4 of the value), or of the smallest normal's step
+    assert ((dequantize(p) - w).abs() <= (w.abs() * 2.0 ** -4).clamp_min(2.0 ** -10 * p.scales) + 1e-7).all()
+    assert p.nbytes == packed_bytes((32, 96), "f8r", 96)
+    with pytest.raises(ExportError, match=r"quantize='fp8' needs .* multiples of 16, this one is \[24, 40\]"):
+        quantize_weight(torch.randn(24, 40), "fp8")
+
+
 def test_quantize_options_are_checked_before_anything_is_built(tmp_path, tiny_source):
     with pytest.raises(ExportError, match=r"quantize='int3' is not supported; use int8 or int4 or fp8 \(--quantize\)"):
         onecopy.export(tiny_source, tmp_path / "a", quantize="int3", progress=False)
