@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import onecopy  # noqa: E402
+from onecopy.bench.decode import weight_layouts  # noqa: E402
 from onecopy.bench.serve_load import pct  # noqa: E402
 from onecopy.models.source import resolve_source  # noqa: E402
 
@@ -152,7 +153,7 @@ def main() -> None:
     res["load_s"] = round(time.perf_counter() - t0, 1)
     res["memory_report"] = str(engine.memory_report())
     res["kv_storage"] = engine.memory_report().kv_dtype  # what the bundle holds (a reused one may differ from --kv-dtype)
-    res["weight_layouts"] = sorted({p["layout"] for p in engine.manifest.packed.values()}) or ["float"]
+    res["weight_layouts"] = weight_layouts(engine.manifest)
     r = engine.memory_report()
     res["memory"] = {"weights_bytes": r.resident_weight_bytes, "pool_bytes": r.pool_bytes, "pool_rows": r.pool_rows,
                      "graph_buckets": r.graph_buckets, "graphs_and_runners_bytes": r.graph_bytes,

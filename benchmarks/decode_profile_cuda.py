@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import onecopy  # noqa: E402
-from onecopy.bench.decode import batched_step_ms  # noqa: E402
+from onecopy.bench.decode import batched_step_ms, weight_layouts  # noqa: E402
 
 KINDS = [("attention_split", r"split_kernel"), ("attention_merge", r"merge_kernel"), ("small_linear", r"linear_kernel"),
          ("gemm", r"gemm|gemv|cutlass|nvjet|sm90_|cublas|splitK|reduce_kernel|f8f8bf16"), ("inductor_fused", r"^triton_")]
@@ -68,7 +68,7 @@ def main() -> None:
             torch.cuda.synchronize()
         n_layers = engine.manifest.config["n_layers"]
         kv_storage = engine.memory_report().kv_dtype
-        layouts = sorted({p["layout"] for p in engine.manifest.packed.values()}) or ["float"]
+        layouts = weight_layouts(engine.manifest)
         max_seq_len = engine.max_seq_len  # the bundle's (a reused bundle may differ from --max-seq-len)
         for s in sessions:
             s.close()

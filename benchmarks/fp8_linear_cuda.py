@@ -4,9 +4,10 @@ Usage (on a CUDA machine of compute capability 8.9+, from the repository root):
     python benchmarks/fp8_linear_cuda.py --out benchmarks/results/fp8_linear_h200.json
 
 Per projection and M rows (1 to 8192): cuBLAS bf16 ``F.linear``; onecopy's `packed.fp8_linear` (x's rows
-quantized to e4m3 with torch ops, then ``torch._scaled_mm``); and the FP8 GEMM alone. Each timed as ten
-calls inside one CUDA graph. The row quantization here is several eager kernels; in an exported bundle
-Inductor fuses it into one (benchmarks/decode_profile_cuda.py shows a step's real share).
+quantized to e4m3 with torch ops, then ``torch._scaled_mm``); and the FP8 GEMM alone. Each timed as the
+median replay of a CUDA graph of one call (`attention_cuda.bench`). The row quantization here is several
+eager kernels; in an exported bundle Inductor fuses it into one (benchmarks/decode_profile_cuda.py shows a
+step's real share).
 """
 
 from __future__ import annotations
@@ -22,31 +23,12 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from attention_cuda import bench  # noqa: E402  (this folder: the benchmarks' one graph-replay timer)
 from onecopy.models.packed import fp8_linear, quantize_rows  # noqa: E402
 from onecopy.models.quantize import quantize_weight  # noqa: E402
 
 SHAPES = {"wqkv": (6144, 4096), "wo": (4096, 4096), "w13": (28672, 4096), "w2": (4096, 14336), "lm_head": (128256, 4096)}
 ROWS = (1, 16, 64, 256, 2048, 8192)
-
-
-def graph_us(fn, reps: int = 50) -> float:
-    """Microseconds per call of ``fn``, ten calls captured in one CUDA graph, replayed ``reps`` times."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(10):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps / 10 * 1000
 
 
 def main() -> None:
@@ -62,10 +44,10 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             q, s = quantize_rows(x)
             ref = F.linear(x, w).float()
-            r = {"bf16_us": graph_us(lambda: F.linear(x, w)), "fp8_us": graph_us(lambda: fp8_linear(x, p)),
-                 "scaled_mm_only_us": graph_us(lambda: torch._scaled_mm(q, p.qweight.t(), scale_a=s,
-                                                                        scale_b=p.scales.reshape(1, -1),
-                                                                        out_dtype=torch.bfloat16)),
+            r = {"bf16_us": 1000 * bench(lambda: F.linear(x, w)), "fp8_us": 1000 * bench(lambda: fp8_linear(x, p)),
+                 "scaled_mm_only_us": 1000 * bench(lambda: torch._scaled_mm(q, p.qweight.t(), scale_a=s,
+                                                                            scale_b=p.scales.reshape(1, -1),
+                                                                            out_dtype=torch.bfloat16)),
                  "rel_err": float((fp8_linear(x, p).float() - ref).norm() / ref.norm())}
             r = {key: round(v, 4 if key == "rel_err" else 1) for key, v in r.items()}
             r["speedup"] = round(r["bf16_us"] / r["fp8_us"], 3)

@@ -87,6 +87,12 @@ def run_onecopy(engine, prompt: list[int], new_tokens: int) -> tuple[float, floa
     return stream.time_to_first_token, 1000 * statistics.mean(itl), graph_ms
 
 
+def weight_layouts(manifest) -> list[str]:
+    """The packed layouts a bundle's projections use (`models.packed.LAYOUTS`), or ["float"]: what a benchmark's
+    JSON records of the weights it ran."""
+    return sorted({p["layout"] for p in manifest.packed.values()}) or ["float"]
+
+
 def decode_step_ms(engine, session, steps: int = 100, warmup: int = 5) -> float:
     """Device ms of one batch-1 decode step of ``session`` at its position (the bucket-1 graph where
     captured), the mean of ``steps`` back-to-back steps timed with CUDA events. The position is not

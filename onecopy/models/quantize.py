@@ -33,8 +33,9 @@ def quantize_weight(w: torch.Tensor, mode: str, group: int = DEFAULT_GROUP) -> P
         if n % 16 or k % 16:  # torch._scaled_mm's CUDA kernels take no other shapes
             raise ExportError(f"quantize='fp8' needs a weight's inputs and outputs in multiples of 16, this one is "
                               f"[{n}, {k}]; use quantize='int8' (--quantize int8)")
-        s = w.detach().float().abs().amax(-1, keepdim=True) / FP8_MAX
-        q = (w.detach().float() / torch.where(s > 0, s, 1.0)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        wf = w.detach().float()
+        s = wf.abs().amax(-1, keepdim=True) / FP8_MAX
+        q = (wf / torch.where(s > 0, s, 1.0)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return Packed("f8r", k, q, s.contiguous())
     if group not in GROUPS or k % group:
         raise ExportError(f"group size {group} does not divide a weight's {k} inputs or is not one of {GROUPS} "
