@@ -98,18 +98,15 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
         kv_storage = kv_quant.kv_dtype(kv_dtype)
     except ValueError as e:
         raise ExportError(f"{e} (--kv-dtype)") from None
-    if kv_storage == torch.float8_e4m3fn and device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
-        raise ExportError(f"kv_dtype='fp8' needs a GPU of compute capability 8.9 or newer (Ada, Hopper), this one is "
-                          f"{'.'.join(map(str, torch.cuda.get_device_capability()))}; use kv_dtype='int8' (--kv-dtype int8)")
+    if kv_storage == torch.float8_e4m3fn:
+        _check_fp8_device(device, "kv_dtype")
     if kv_storage is not None and kv_block is None:
         raise ExportError(f"kv_dtype={kv_dtype!r} needs paged KV: an 8-bit cache is read through blocks; drop "
                           "kv_block=None (--kv-block none)")
     if quantize is not None and quantize not in QUANTIZE_MODES:
         raise ExportError(f"quantize={quantize!r} is not supported; use {' or '.join(QUANTIZE_MODES)} (--quantize)")
-    if quantize == "fp8" and device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
-        raise ExportError(f"quantize='fp8' multiplies on FP8 tensor cores: it needs a GPU of compute capability 8.9 or "
-                          f"newer (Ada, Hopper), this one is {'.'.join(map(str, torch.cuda.get_device_capability()))}; "
-                          "use quantize='int8' (--quantize int8)")
+    if quantize == "fp8":
+        _check_fp8_device(device, "quantize")
     if quantize is not None and group_size not in GROUPS:
         raise ExportError(f"group size {group_size} is not supported; use one of {', '.join(map(str, GROUPS))} "
                           "(--group-size)")
@@ -179,6 +176,15 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
         raise
     finally:
         bar.close()
+
+
+def _check_fp8_device(device: str, option: str) -> None:
+    """Raise unless ``option``='fp8' (``kv_dtype`` or ``quantize``) can run on ``device``: CUDA needs float8
+    conversions and FP8 tensor cores, compute capability 8.9 or newer; the CPU emulates them."""
+    if device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        raise ExportError(f"{option}='fp8' needs a GPU of compute capability 8.9 or newer (Ada, Hopper), this one is "
+                          f"{'.'.join(map(str, torch.cuda.get_device_capability()))}; use {option}='int8' "
+                          f"(--{option.replace('_', '-')} int8)")
 
 
 def _gguf_types(src: ModelSource) -> str:
