@@ -128,6 +128,7 @@ class MethodSpec:
     mutated_constants: list[str] = field(default_factory=list)  # constants written in place: sessions would share them
     batch_invariant: bool = False  # decode: each row's results independent of the batch it runs in
     paged: bool = False  # takes the KV block table [P, NBMAX] (int64) right after rows
+    native_ops: list[str] = field(default_factory=list)  # op libraries the package calls by name (`kernels.native`)
 
 
 @dataclass

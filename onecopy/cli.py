@@ -150,7 +150,8 @@ def _cmd_export(a: argparse.Namespace) -> int:
         raise OnecopyError(f"--kv-block takes a power of two or 'none', got {a.kv_block!r}") from None
     out = export(a.source, a.out, max_seq_len=a.max_seq_len, dtype=a.dtype, device=a.device,
                  methods=tuple(a.methods.split(",")) if a.methods else None, overwrite=a.overwrite, kv_block=kv_block,
-                 dequantize=a.dequantize, quantize=a.quantize, group_size=a.group_size, kv_dtype=a.kv_dtype)
+                 dequantize=a.dequantize, quantize=a.quantize, group_size=a.group_size, kv_dtype=a.kv_dtype,
+                 native_kernels=a.native_kernels)
     print(f"wrote {out}")
     return 0
 
@@ -193,6 +194,9 @@ def _cmd_info(a: argparse.Namespace) -> int:
         print(f"kv cache      paged: blocks of {m.kv_block_size} positions ({block / 2**10:,.1f} KiB), "
               f"{m.table_width} per session at most; sessions share a common prompt's blocks (prefix cache)")
         print(f"kv dtype      {m.kv_dtype_description()}")
+    native = sorted({op for spec in m.methods.values() for op in spec.native_ops})
+    if native:
+        print(f"native ops    {', '.join(native)}: CUDA C++ kernels built with nvcc on first load (kernels.native)")
     print(f"memory        one session needs ~{(weight_bytes + state_bytes) / 2**20:,.1f} MiB "
           f"(weights + state), each further session {state_bytes / 2**20:,.1f} MiB")
     if a.device_memory:
@@ -262,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--kv-dtype", choices=["bf16", "int8", "fp8"], default="bf16",
                    help="KV cache storage: the model's dtype (bf16, the default) or 8 bits with a float32 scale per "
                         "position and head (int8, fp8 e4m3): half the KV bytes per session and per decode step")
+    e.add_argument("--no-native-kernels", dest="native_kernels", action="store_false",
+                   help="CUDA, 8-bit KV: decode with the Triton kernel instead of the CUDA C++ one (built with nvcc "
+                        "at export and at load)")
     e.set_defaults(fn=_cmd_export)
 
     t = sub.add_parser("transcribe", help="transcribe WAV files as concurrent sessions (default: the embedded "

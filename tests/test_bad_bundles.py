@@ -79,6 +79,18 @@ def methods_disagree_on_paging(b):
     _write_manifest(b, m)
 
 
+def unknown_op_library(b):
+    m = _manifest(b)
+    m["methods"]["decode"]["native_ops"] = ["onecopy_future"]  # a newer onecopy's kernels: nothing to load them from
+    _write_manifest(b, m)
+
+
+def native_ops_on_cpu(b):
+    m = _manifest(b)
+    m["methods"]["decode"]["native_ops"] = ["onecopy_native"]  # CUDA C++ kernels named by a CPU bundle
+    _write_manifest(b, m)
+
+
 def truncated_manifest(b):
     text = (b / "manifest.json").read_text()
     (b / "manifest.json").write_text(text[: len(text) // 2])
@@ -163,6 +175,10 @@ CASES = [
     (paged_without_block_size, onecopy.ManifestError, r"is paged but kv_block_size is None.*export the bundle again"),
     (methods_disagree_on_paging, onecopy.ManifestError, r"methods disagree with the state on whether the KV cache is paged"),
     (missing_field, onecopy.ManifestError, r"lacks or mangles a required field .*methods"),
+    (unknown_op_library, onecopy.ManifestError,
+     r"method 'decode' calls op libraries \['onecopy_future'\] that this onecopy does not have; export the bundle again"),
+    (native_ops_on_cpu, onecopy.DeviceMismatchError,
+     r"method 'decode' calls the native CUDA kernels \(onecopy_native\); load the bundle on the CUDA device"),
     (wrong_device_kind, onecopy.DeviceMismatchError, r"compiled for 'cuda' but you asked for 'cpu'.*--device cpu"),
     (other_torch_release, onecopy.TorchVersionMismatchError, r"compiled by torch 2.9.1\+cu128 but this is torch .* export the bundle again"),  # noqa: E501
     (undeclared_constant, onecopy.CoverageError, r"needs constants the bundle does not provide: \['layers.9.ghost.weight'\]"),

@@ -15,6 +15,7 @@ import torch
 from ..bundle import (FORMAT_VERSION, MANIFEST, TOKENIZER, WEIGHTS, Manifest, MethodSpec, TensorSpec, dtype_name,
                       sha256, sha256_many, tensor_view)
 from ..errors import ExportError
+from ..kernels.native import LIBRARY as NATIVE_LIBRARY
 from ..models import kv_quant
 from ..models.base import MethodDef
 from ..models.packed import GROUPS
@@ -59,7 +60,7 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
            dtype: torch.dtype | str | None = None, device: str = "cpu", methods: Sequence[str] | None = None,
            embed_weights: Sequence[str] = (), overwrite: bool = False, progress: bool = True,
            kv_block: int | None = DEFAULT_KV_BLOCK, dequantize: bool | None = None, quantize: str | None = None,
-           group_size: int = DEFAULT_GROUP, kv_dtype: str | None = None) -> Path:
+           group_size: int = DEFAULT_GROUP, kv_dtype: str | None = None, native_kernels: bool = True) -> Path:
     """Export ``source`` into a bundle at ``out_dir`` and return its path.
 
     ``max_seq_len`` defaults to the family's natural bound (Llama: min(2048, the model's context);
@@ -81,6 +82,9 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
     ``kv_dtype`` ("int8" or "fp8"; None or "bf16": the model's dtype) stores the KV cache in 8 bits with a
     float32 scale per position and head (`models.kv_quant`; Llama family, paged KV): about half the bytes
     per session and per decode step's read. The state's dtypes in the manifest say which.
+    ``native_kernels``: a CUDA export decodes an 8-bit cache with the CUDA C++ kernel where it serves the
+    shapes (`kernels.native`, built here with nvcc); the manifest lists it under each method's
+    ``native_ops`` and the runtime loads it first. False keeps the Triton kernel (the comparison).
     """
     out = Path(out_dir)
     if out.exists() and not overwrite:
@@ -137,6 +141,8 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
                 raise ExportError(f"kv_dtype={kv_dtype!r}: an 8-bit KV cache is built for the Llama family, not "
                                   f"{src.family}; export {src.name} without --kv-dtype")
             model.kv_dtype = kv_storage
+        if hasattr(model, "native_kernels"):
+            model.native_kernels = native_kernels
         available = model.export_methods(max_seq_len, device)
         methods = list(available) if methods is None else list(methods)
         unknown = sorted(set(methods) - set(available)) + sorted(set(embed_weights) - set(methods))
@@ -253,7 +259,21 @@ def _compile_method(ep: torch.export.ExportedProgram, method: MethodDef, name: s
     return MethodSpec(name=name, package=f"methods/{name}.pt2", package_sha256=sha256(pkg.read_bytes()),
                       weights="embedded" if embed else "external", inputs=method.inputs, constants=constants,
                       state=list(method.state), writes=sorted(writes), role=method.role,
-                      batch_invariant=method.batch_invariant, paged=method.paged)
+                      batch_invariant=method.batch_invariant, paged=method.paged,
+                      native_ops=op_libraries(ep, (NATIVE_LIBRARY,)))
+
+
+def op_libraries(ep: torch.export.ExportedProgram, libraries: Sequence[str]) -> list[str]:
+    """Which of ``libraries`` (op namespaces) the program calls: the package will call them by name, so the
+    runtime must load them first. Ops that write their inputs sit inside an auto_functionalized node."""
+    found = set()
+    for node in ep.graph.nodes:
+        if node.op != "call_function":
+            continue
+        for target in (node.target, *(a for a in node.args[:1] if isinstance(a, torch._ops.OpOverload))):
+            if isinstance(target, torch._ops.OpOverload) and target.namespace in libraries:
+                found.add(target.namespace)
+    return sorted(found)
 
 
 def _write_bundle(tmp: Path, src: ModelSource, model: torch.nn.Module, specs: dict[str, MethodSpec], max_seq_len: int,

@@ -19,7 +19,8 @@ from .decode import launch_decode, launch_decode_paged
 from .dequant import launch_dequantize
 from .linear import Norm, PackedArgs, launch_linear
 from .prefill import launch_prefill, launch_prefill_paged
-from .tiles import SMALL_LINEAR_ROWS, packed_linear_tiles, prefill_tiles, small_linear_tiles
+from .tiles import (SMALL_LINEAR_ROWS, native_decode_splits, packed_linear_tiles, prefill_tiles,
+                    small_linear_tiles)
 
 
 def available() -> bool:
@@ -214,8 +215,12 @@ def paged_decode_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch
 
 def paged_decode_attention_q8(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor,
                               v_scale: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
-                              lengths: torch.Tensor, invariant: bool = False) -> torch.Tensor:
-    """See the op: `paged_decode_attention` over an 8-bit cache with its scale pools (CUDA only)."""
+                              lengths: torch.Tensor, invariant: bool = False, native: bool = True) -> torch.Tensor:
+    """See the op: `paged_decode_attention` over an 8-bit cache with its scale pools (CUDA only). ``native``:
+    the CUDA C++ kernel (`kernels.native`) where it serves these shapes, else the Triton op."""
+    if native and _native_serves(q.shape[-1], q.shape[1] // k_pool.shape[1], k_pool):
+        return torch.ops.onecopy_native.paged_decode_q8(q, k_pool, v_pool, k_scale, v_scale, table, rows, lengths,
+                                                       *_native_splits(q.shape[0], k_pool, table, invariant))
     return torch.ops.onecopy.paged_decode_attention_q8(q, k_pool, v_pool, k_scale, v_scale, table, rows, lengths,
                                                        invariant)
 
@@ -223,10 +228,33 @@ def paged_decode_attention_q8(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
 def paged_decode_attention_rope_q8(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
                                    v_pool: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
                                    table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-                                   invariant: bool = False) -> torch.Tensor:
-    """See the op: `paged_decode_attention_rope` over an 8-bit cache, the new k/v quantized as written (CUDA only)."""
+                                   invariant: bool = False, native: bool = True) -> torch.Tensor:
+    """See the op: `paged_decode_attention_rope` over an 8-bit cache, the new k/v quantized as written (CUDA only).
+    ``native``: as `paged_decode_attention_q8`."""
+    d, hkv = k_pool.shape[3], k_pool.shape[1]
+    hq = qkv.shape[1] // d - 2 * hkv
+    if native and _native_serves(d, hq // hkv, k_pool):
+        return torch.ops.onecopy_native.paged_decode_rope_q8(
+            qkv if qkv.stride(-1) == 1 else qkv.contiguous(), cos.contiguous(), sin.contiguous(), k_pool, v_pool,
+            k_scale, v_scale, table, rows, positions + 1, *_native_splits(qkv.shape[0], k_pool, table, invariant))
     return torch.ops.onecopy.paged_decode_attention_rope_q8(qkv, cos, sin, k_pool, v_pool, k_scale, v_scale, table,
                                                             rows, positions + 1, invariant)
+
+
+def _native_serves(head_dim: int, group: int, k_pool: torch.Tensor) -> bool:
+    """True when the CUDA C++ 8-bit decode kernel takes these shapes here; loads (builds) it then."""
+    from . import native
+
+    if not native.supported(head_dim, group, k_pool.dtype, k_pool.device):
+        return False
+    native.load()
+    return True
+
+
+def _native_splits(batch, k_pool: torch.Tensor, table: torch.Tensor, invariant: bool) -> tuple:
+    """(splits, block) of the native kernel (`tiles.native_decode_splits`) on this device."""
+    sms = torch.cuda.get_device_properties(k_pool.device).multi_processor_count
+    return native_decode_splits(batch, k_pool.shape[1], table.shape[1] * k_pool.shape[2], sms, invariant)
 
 
 def paged_prefill_attention_q8(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor,

@@ -29,6 +29,17 @@ DECODE_PROGRAMS_Q8 = 512
 # An 8-bit cache's positions per inner step: twice the positions for the same bytes in flight (at 64-256
 # rows 0.24-0.38 -> 0.41-0.53 of copy bandwidth with one split per row; --sweep, kv_attention_sweep_h200.json).
 BLOCK_N_Q8 = 128
+# The CUDA C++ 8-bit decode (`kernels.native`, decode_q8.cu): a split's positions are a multiple of NATIVE_BLOCK
+# (one 32-position step for each of a CTA's 2 warps); the default decode launches enough splits per row to
+# give every SM NATIVE_CTAS_PER_SM CTAs (its register budget) when rows are few, one per row from there.
+# H100, one layer of the 8B shape (results/native_decode_sweep_h100.json): 16 sessions of 1k/4k run best with
+# 4 splits (0.38/0.64 of copy bandwidth; 16 splits 0.27/0.55), 64-256 sessions with 1. The batch-invariant
+# decode splits a row by its length alone, in multiples of NATIVE_INVARIANT_BLOCK (a 1k row: 4 splits).
+NATIVE_BLOCK = 64
+NATIVE_SPLIT_MAX = 64  # positions of the pool per split at most: a short context at batch 1 spreads over all SMs
+NATIVE_INVARIANT_BLOCK = 256
+NATIVE_CTAS_PER_SM = 4
+NATIVE_MAX_SPLITS = 256  # the native merge's bound (kMergeSplits in decode_q8.cu): longer pools get longer splits
 # Prefill tiles: (query rows, key columns, warps, pipeline stages) per program, by head size.
 # The fastest over a fresh 1k, a fresh 8k and a 2k-after-6k chunk on the H200
 # (benchmarks/prefill_attention_cuda.py, benchmarks/results/prefill_attention_h200.json).
@@ -96,6 +107,17 @@ def decode_splits(rows, kv_heads: int, splits: int, programs: int = DECODE_PROGR
     import torch
 
     return splits - (splits - 1) * torch.sym_min(1, rows * kv_heads // programs)
+
+
+def native_decode_splits(rows, kv_heads: int, positions: int, sms: int, invariant: bool) -> tuple:
+    """(splits, block) of the native 8-bit decode for ``rows`` rows (an int or the traced batch size) over a
+    pool of ``positions`` per row on a GPU of ``sms`` multiprocessors; see NATIVE_BLOCK."""
+    import torch
+
+    if invariant:
+        return min(n_splits(positions, SPLIT_MAX, NATIVE_INVARIANT_BLOCK), NATIVE_MAX_SPLITS), NATIVE_INVARIANT_BLOCK
+    most = min(n_splits(positions, NATIVE_SPLIT_MAX, NATIVE_BLOCK), NATIVE_MAX_SPLITS)
+    return torch.sym_max(1, torch.sym_min(most, NATIVE_CTAS_PER_SM * sms // (rows * kv_heads))), NATIVE_BLOCK
 
 
 def merged_rows(rows, splits):

@@ -40,6 +40,7 @@ class KVCache:
     v: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    native: bool = True  # an 8-bit cache's CUDA decode: the CUDA C++ kernel where it serves (`kernels.native`)
 
     @property
     def quantized(self) -> bool:
@@ -165,7 +166,7 @@ def attend_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, 
         lengths = step.input_pos + 1
         if on_cuda and cache.quantized:
             return kernels.paged_decode_attention_q8(q[:, 0], cache.k, cache.v, cache.k_scale, cache.v_scale, table,
-                                                     step.rows, lengths, invariant.active())[:, None]
+                                                     step.rows, lengths, invariant.active(), cache.native)[:, None]
         if on_cuda:
             return kernels.paged_decode_attention(q[:, 0], cache.k, cache.v, table, step.rows, lengths,
                                                   invariant.active())[:, None]

@@ -124,7 +124,8 @@ class Block(nn.Module):
         # Otherwise RoPE and the K/V cache write (quantizing, for an 8-bit cache) happen inside the attention kernel.
         elif cache.quantized:
             y = kernels.paged_decode_attention_rope_q8(qkv, c, s, cache.k, cache.v, cache.k_scale, cache.v_scale,
-                                                       step.table, step.rows, step.input_pos, fixed).flatten(1)
+                                                       step.table, step.rows, step.input_pos, fixed,
+                                                       cache.native).flatten(1)
         elif step.table is not None:
             y = kernels.paged_decode_attention_rope(qkv, c, s, cache.k, cache.v, step.table, step.rows,
                                                     step.input_pos, fixed).flatten(1)
@@ -171,6 +172,7 @@ class Transformer(PooledModel):
     """
 
     kv_dtype: torch.dtype | None = None  # an 8-bit KV cache's storage dtype (set before export); None: self.dtype
+    native_kernels: bool = True  # an 8-bit cache's CUDA decode through `kernels.native` where it serves (set before export)
 
     def __init__(self, cfg: LlamaConfig, max_seq_len: int, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -212,7 +214,7 @@ class Transformer(PooledModel):
     def _caches(self, pools: tuple[torch.Tensor, ...]) -> list[KVCache]:
         """Each layer's KVCache from the pools in `state_specs` order."""
         per = 4 if self.kv_dtype is not None else 2
-        return [KVCache(*pools[per * i:per * (i + 1)]) for i in range(len(self.layers))]
+        return [KVCache(*pools[per * i:per * (i + 1)], native=self.native_kernels) for i in range(len(self.layers))]
 
     def _run(self, tokens: torch.Tensor, step: Step, pools: tuple[torch.Tensor, ...]) -> torch.Tensor:
         caches = self._caches(pools)

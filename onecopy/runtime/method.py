@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from ..bundle import MethodSpec, parse_dtype
-from ..errors import CoverageError, InputError
+from ..errors import CoverageError, DeviceMismatchError, InputError, ManifestError
 from ..export.toolchain import check_package_loadable
 from .weights import WeightStore
 
@@ -23,8 +23,10 @@ class Method:
     """A loaded package. Weightless packages get every constant from the store (user-managed)."""
 
     def __init__(self, spec: MethodSpec, package: Path, device: torch.device) -> None:
+        self._compiled = self._run = None  # nothing loaded yet (close() and the refusal tests rely on it)
         check_package_loadable(package)
         self.spec, self.device = spec, device
+        _load_native_ops(spec, device)
         self.weight_fqns = list(spec.constants)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -100,3 +102,19 @@ class Method:
     def close(self) -> None:
         self._compiled = None
         self._run = None
+
+
+def _load_native_ops(spec: MethodSpec, device: torch.device) -> None:
+    """Load the op libraries the package calls by name (`kernels.native`) before the package itself: its proxy
+    executor looks each op up as it loads. ToolchainError if they cannot be built here."""
+    from ..kernels import native
+
+    unknown = sorted(set(spec.native_ops) - {native.LIBRARY})
+    if unknown:
+        raise ManifestError(f"method {spec.name!r} calls op libraries {unknown} that this onecopy does not have; "
+                            "export the bundle again with this onecopy")
+    if spec.native_ops:
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise DeviceMismatchError(f"method {spec.name!r} calls the native CUDA kernels ({native.LIBRARY}); "
+                                      "load the bundle on the CUDA device it was exported for")
+        native.load()

@@ -2,6 +2,8 @@
 decode kernel's quantizing write), and int8/fp8 bundles: graph replay = eager bit for bit, the compiled
 model = its eager ops, deterministic batches = solo runs."""
 
+import json
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from .test_cuda import REQUESTS, _alone, _rope_inputs, _rope_write_attend_float6
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 FORMATS = ["int8", "fp8"]
+NATIVE = [pytest.param(False, id="triton"), pytest.param(True, id="native")]  # kernels.native or the Triton op
 
 
 def _pages(pool, bs, table):
@@ -29,8 +32,9 @@ def _quantized_pages(pool, dtype, bs, table):
     return _pages(q, bs, table), _pages(scale, bs, table), kv_quant.dequantize(q, scale).cpu().double()
 
 
+@pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_q8_decode_and_prefill_kernels_match_float64_of_the_dequantized_cache(fmt):
+def test_q8_decode_and_prefill_kernels_match_float64_of_the_dequantized_cache(fmt, native):
     from onecopy import kernels
     from onecopy.models.attention import pooled_attention, prefill_attention
 
@@ -48,7 +52,7 @@ def test_q8_decode_and_prefill_kernels_match_float64_of_the_dequantized_cache(fm
         rows = torch.randint(0, p, (b,), device="cuda")
         lengths = torch.randint(1, s + 1, (b,), device="cuda")
         lengths[0], lengths[-1] = s, 1
-        out = kernels.paged_decode_attention_q8(q, kq, vq, ks, vs, table, rows, lengths)
+        out = kernels.paged_decode_attention_q8(q, kq, vq, ks, vs, table, rows, lengths, native=native)
         ref = pooled_attention(q.cpu().double(), k_ref, v_ref, rows.cpu(), lengths.cpu())
         err = float((out.cpu().double() - ref).norm() / ref.norm())
         assert err < 1e-2, (fmt, b, hq, hkv, d, s, err)
@@ -63,8 +67,9 @@ def test_q8_decode_and_prefill_kernels_match_float64_of_the_dequantized_cache(fm
         assert err < 1e-2, (fmt, hq, hkv, d, s, err)
 
 
+@pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_q8_rope_kernel_quantizes_the_new_kv_into_the_right_page(fmt):
+def test_q8_rope_kernel_quantizes_the_new_kv_into_the_right_page(fmt, native):
     """The decode kernel with RoPE and the cache write, 8-bit: each new k/v stored as kv_quant stores it
     (its scale max|x| / QMAX, the values within a step of the float64 RoPE result), nothing else written,
     and the attention within 1e-2 of float64 over the dequantized cache, the new position's stored k/v included."""
@@ -84,7 +89,7 @@ def test_q8_rope_kernel_quantizes_the_new_kv_into_the_right_page(fmt):
         before = [t.clone() for t in (kq, vq, ks, vs)]
         rows = torch.tensor(list(range(b, 0, -1)), device="cuda")
         pos = torch.tensor(positions, device="cuda")
-        out = kernels.paged_decode_attention_rope_q8(qkv, cos, sin, kq, vq, ks, vs, table, rows, pos)
+        out = kernels.paged_decode_attention_rope_q8(qkv, cos, sin, kq, vq, ks, vs, table, rows, pos, native=native)
         k_st, v_st = k_ref.clone(), v_ref.clone()
         _rope_write_attend_float64(qkv, cos, sin, k_ref, v_ref, rows, positions, hq, hkv)  # the exact new k/v
         written = torch.zeros(p, s, dtype=torch.bool)
@@ -116,8 +121,9 @@ def test_q8_rope_kernel_quantizes_the_new_kv_into_the_right_page(fmt):
             assert torch.equal(now[spare].view(torch.uint8), was[spare].view(torch.uint8))
 
 
+@pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_q8_rope_kernel_stores_what_kv_quant_stores(fmt):
+def test_q8_rope_kernel_stores_what_kv_quant_stores(fmt, native):
     """With RoPE the identity (cos 1, sin 0) the new k is the qkv row's k as is: the kernel's 8-bit values and
     scales equal kv_quant.quantize's of it (int8 rounded half to even, not truncated; at most a rare tie off by
     one step: the kernel's fp32 division is not correctly rounded)."""
@@ -133,7 +139,7 @@ def test_q8_rope_kernel_stores_what_kv_quant_stores(fmt):
     kq = torch.zeros(p * s // bs, hkv, bs, d, device="cuda", dtype=dtype)
     vq, ks, vs = torch.zeros_like(kq), torch.zeros(kq.shape[:3], device="cuda"), torch.zeros(kq.shape[:3], device="cuda")
     rows, pos = torch.arange(b, device="cuda"), torch.randint(0, s, (b,), device="cuda")
-    kernels.paged_decode_attention_rope_q8(qkv, cos, sin, kq, vq, ks, vs, table, rows, pos)
+    kernels.paged_decode_attention_rope_q8(qkv, cos, sin, kq, vq, ks, vs, table, rows, pos, native=native)
     new_k, new_v = qkv[:, hq * d:].view(b, 2, hkv, d).unbind(1)
     for pages, scales, x in ((kq, ks, new_k), (vq, vs, new_v)):
         want_q, want_s = kv_quant.quantize(x, dtype)  # [b, hkv, d], [b, hkv]
@@ -146,16 +152,35 @@ def test_q8_rope_kernel_stores_what_kv_quant_stores(fmt):
             assert ((diff > 0).float().mean() < 1e-3), (diff > 0).sum()
 
 
-@pytest.fixture(scope="module", params=FORMATS)
+def _source(name):
+    """tiny-llama (head_dim 16: the Triton decode), or the same with head_dim 64 ("hd64": the native decode)."""
+    import dataclasses
+
+    from onecopy.models.presets import random_hf_state_dict
+    from onecopy.models.source import preset_source
+
+    src = preset_source("tiny-llama")
+    if name == "hd64":
+        cfg = type(src.config).from_dict({**src.config.to_dict(), "dim": 256, "head_dim": 64,
+                                                  "intermediate_size": 256})
+        src = dataclasses.replace(src, name="tiny-llama-hd64", config=cfg, hf_state_dict=random_hf_state_dict(cfg, 0))
+    return src
+
+
+@pytest.fixture(scope="module", params=[(f, s) for f in FORMATS for s in ("tiny", "hd64")], ids=lambda p: "-".join(p))
 def q8_bundle(request, tmp_path_factory):
-    return request.param, onecopy.export("tiny-llama", tmp_path_factory.mktemp("b") / request.param, max_seq_len=512,
-                                         device="cuda", dtype="bfloat16", kv_dtype=request.param, progress=False)
+    fmt, name = request.param
+    src = _source(name)
+    bundle = onecopy.export(src, tmp_path_factory.mktemp("b") / f"{fmt}-{name}", max_seq_len=512, device="cuda",
+                            dtype="bfloat16", kv_dtype=fmt, progress=False)
+    methods = json.loads((bundle / "manifest.json").read_text())["methods"]
+    native = {op for m in methods.values() for op in m.get("native_ops", [])}
+    assert native == ({"onecopy_native"} if name == "hd64" else set()), native  # head_dim 16: the Triton decode
+    return fmt, bundle, src
 
 
 def test_q8_graph_replay_equals_eager_bit_for_bit_and_the_eager_model(q8_bundle):
-    from onecopy.models.source import resolve_source
-
-    fmt, bundle = q8_bundle
+    fmt, bundle, src = q8_bundle
     with onecopy.Engine.load(bundle, "cuda", max_sessions=4, cuda_graphs=False) as eager, \
             onecopy.Engine.load(bundle, "cuda", max_sessions=4, cuda_graphs=True) as graphs:
         assert "float32 scale" in graphs.memory_report().kv_dtype
@@ -166,7 +191,7 @@ def test_q8_graph_replay_equals_eager_bit_for_bit_and_the_eager_model(q8_bundle)
             assert torch.equal(a, b), f"step {i} differs"
         for k in se.state:
             assert torch.equal(se.state[k].view(torch.uint8), sg.state[k].view(torch.uint8)), k
-    model = resolve_source("tiny-llama").build(512, torch.bfloat16, "cuda")
+    model = src.build(512, torch.bfloat16, "cuda")
     model.kv_block, model.kv_dtype = 16, kv_quant.KV_DTYPES[fmt]
     with torch.no_grad():
         want = [model(torch.tensor([prompt], device="cuda"), torch.arange(len(prompt), device="cuda"))]
@@ -178,7 +203,7 @@ def test_q8_graph_replay_equals_eager_bit_for_bit_and_the_eager_model(q8_bundle)
 
 
 def test_q8_deterministic_concurrent_sessions_equal_solo(q8_bundle):
-    _, bundle = q8_bundle
+    _, bundle, _ = q8_bundle
     with onecopy.Engine.load(bundle, "cuda", max_sessions=8, deterministic=True, prefill_chunk=16) as engine:
         solo = {k: _alone(engine, p, sp) for k, (p, sp) in REQUESTS.items()}
         streams = {k: engine.submit(p, sp, stop_ids=[]) for k, (p, sp) in REQUESTS.items()}
