@@ -122,6 +122,8 @@ def main() -> None:
                     help="the KV cache's storage when the bundle is exported here")
     ap.add_argument("--quantize", choices=["int8", "int4", "fp8"],
                     help="the projections' packing when the bundle is exported here (fp8: FP8 GEMMs)")
+    ap.add_argument("--no-native-kernels", dest="native_kernels", action="store_false",
+                    help="export with the Triton 8-bit decode instead of the CUDA C++ one (the comparison)")
     ap.add_argument("--token-budget", type=int, help="Engine.load(token_budget=): several prompts' prefill chunks "
                     "per iteration (at 128+ sessions one chunk per iteration outlasts the first sessions' decode)")
     ap.add_argument("--requests", type=int, help="saturation: this many requests at once for each count, queued for "
@@ -141,7 +143,7 @@ def main() -> None:
     if not (bundle / "manifest.json").is_file():
         t0 = time.perf_counter()
         onecopy.export(a.source, bundle, max_seq_len=a.max_seq_len, device="cuda", overwrite=True, progress=False,
-                       kv_dtype=a.kv_dtype, quantize=a.quantize)
+                       kv_dtype=a.kv_dtype, quantize=a.quantize, native_kernels=a.native_kernels)
         res["export_s"] = round(time.perf_counter() - t0, 1)
         print("exported in", res["export_s"], "s", flush=True)
     vocab = resolve_source(a.source).config.vocab_size
@@ -154,6 +156,7 @@ def main() -> None:
     res["memory_report"] = str(engine.memory_report())
     res["kv_storage"] = engine.memory_report().kv_dtype  # what the bundle holds (a reused one may differ from --kv-dtype)
     res["weight_layouts"] = weight_layouts(engine.manifest)
+    res["native_ops"] = sorted({op for m in engine.manifest.methods.values() for op in m.native_ops})
     r = engine.memory_report()
     res["memory"] = {"weights_bytes": r.resident_weight_bytes, "pool_bytes": r.pool_bytes, "pool_rows": r.pool_rows,
                      "graph_buckets": r.graph_buckets, "graphs_and_runners_bytes": r.graph_bytes,

@@ -10,6 +10,8 @@ replays of the kernel pair (split + merge) the exported decode runs, `kernels.pa
 or its ``_q8`` op. Bytes counted: what a step must read, the filled K and V of every session (and
 their float32 scales for 8-bit), plus q and the output; the share is against the device-to-device copy
 bandwidth measured in the same run. The merge's partial results are not counted (the kernel's own cost).
+For 8-bit caches each point also times the CUDA C++ kernel (`kernels.native`, the default where it builds) on the
+same inputs, with the same splits (``native_*``; ``speedup_native``: over the Triton kernel).
 Each point also times the batch-invariant decode's splits (every split of the table, whatever the batch:
 what every decode ran before `tiles.decode_splits`), in the same run. ``--sweep`` times every tile of SWEEP
 instead (results/kv_attention_sweep_h200.json: the table behind BLOCK_N_Q8 and DECODE_PROGRAMS).
@@ -30,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from attention_cuda import bench, copy_bandwidth  # noqa: E402  (this folder: the same timing as its table)
 
+from onecopy.kernels import paged_decode_attention_q8  # noqa: E402  (native where it serves, else Triton)
 from onecopy.kernels.decode import launch_decode_paged  # noqa: E402  (what the ops run; takes tile overrides)
 from onecopy.models import kv_quant  # noqa: E402
 
@@ -60,9 +63,14 @@ def inputs(batch: int, context: int, fmt: str) -> dict:
 
 
 def case(made: dict, batch: int, context: int, fmt: str, tiles: tuple[int, int, int, int] | None = None,
-         rep: int = 300, invariant: bool = False) -> dict:
-    """One timing of the split + merge kernels on ``made`` (`inputs`), as a record of the table."""
-    ms = bench(lambda: launch_decode_paged(*made["args"], tiles, invariant), rep)
+         rep: int = 300, invariant: bool = False, native: bool = False) -> dict:
+    """One timing of the split + merge kernels on ``made`` (`inputs`), as a record of the table; ``native``:
+    the CUDA C++ kernel's launches instead (8-bit caches)."""
+    if native:
+        q, _, k, v, table, rows, lengths, (ks, vs) = made["args"]
+        ms = bench(lambda: paged_decode_attention_q8(q, k, v, ks, vs, table, rows, lengths, invariant, native=True), rep)
+    else:
+        ms = bench(lambda: launch_decode_paged(*made["args"], tiles, invariant), rep)
     return {"batch": batch, "context": context, "kv": fmt, "ms": round(ms, 4), "needed_bytes": made["needed"],
             "filled_positions": made["filled"]}
 
@@ -79,6 +87,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--sweep", action="store_true", help="every (split, block, warps, stages) of SWEEP per point")
     ap.add_argument("--formats", default="bf16,int8,fp8")
+    ap.add_argument("--no-native", action="store_true", help="skip the CUDA C++ kernel's column")
     a = ap.parse_args()
     bw = copy_bandwidth()
     res = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(),
@@ -88,7 +97,8 @@ def main() -> None:
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     if a.sweep:
         return sweep(a, res, bw)
-    print(f"{'B':>4} {'ctx':>5} {'kv':<5} {'ms':>8} {'share':>6} {'vs bf16':>8} {'fixed ms':>9} {'share':>6}")
+    print(f"{'B':>4} {'ctx':>5} {'kv':<5} {'ms':>8} {'share':>6} {'vs bf16':>8} {'fixed ms':>9} {'share':>6} "
+          f"{'native ms':>9} {'share':>6} {'x triton':>8}")
     for batch in map(int, a.batches.split(",")):
         for context in map(int, a.contexts.split(",")):
             base = None
@@ -103,9 +113,17 @@ def main() -> None:
                 fixed = case(made, batch, context, fmt, invariant=True)
                 r["invariant_ms"] = fixed["ms"]
                 r["invariant_share_of_copy_bw"] = share(r["needed_bytes"], fixed["ms"], bw)
+                line = ""
+                if fmt != "bf16" and not a.no_native:
+                    nat = case(made, batch, context, fmt, native=True)
+                    r["native_ms"] = nat["ms"]
+                    r["native_share_of_copy_bw"] = share(r["needed_bytes"], nat["ms"], bw)
+                    r["speedup_native"] = round(r["ms"] / nat["ms"], 3)
+                    line = f" {nat['ms']:>9.4f} {r['native_share_of_copy_bw']:>6.3f} {r['speedup_native']:>8.2f}"
                 res["runs"].append(r)
                 print(f"{batch:>4} {context:>5} {fmt:<5} {r['ms']:>8.4f} {r['share_of_copy_bw']:>6.3f} "
-                      f"{r['speedup_vs_bf16']:>8.2f} {fixed['ms']:>9.4f} {r['invariant_share_of_copy_bw']:>6.3f}", flush=True)
+                      f"{r['speedup_vs_bf16']:>8.2f} {fixed['ms']:>9.4f} {r['invariant_share_of_copy_bw']:>6.3f}{line}",
+                      flush=True)
                 del made
                 torch.cuda.empty_cache()
     if a.out:
