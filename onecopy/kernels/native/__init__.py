@@ -4,7 +4,7 @@ Today one family: decode attention over an 8-bit paged KV cache (`decode_q8.cu`;
 says why it is not Triton). AOTInductor cannot embed a CUDA C++ kernel the way it embeds Triton's, so a
 package that uses these ops calls them by name (its proxy executor) and the process must have this
 library loaded before the package is: `load` builds it for the device in hand (nvcc and a C++ compiler
-that links libstdc++ dynamically, `export.toolchain.pick_cxx`; about a minute the first time, then cached
+that links libstdc++ dynamically, `export.toolchain.pick_cxx`; about 30 s the first time, then cached
 under torch's extensions folder and only loaded) and registers the ops; `runtime.method.Method` calls it
 for the methods whose manifest entry lists `LIBRARY` in ``native_ops``.
 
@@ -36,7 +36,8 @@ def supported(head_dim: int, group: int, kv_dtype: torch.dtype, device: torch.de
     need = (8, 9) if kv_dtype == torch.float8_e4m3fn else (8, 0)
     if (major, minor) < need:
         return False
-    return loaded() or shutil.which("nvcc") is not None or os.path.exists(os.path.join(_cuda_home() or "", "bin", "nvcc"))
+    home = _cuda_home()
+    return loaded() or shutil.which("nvcc") is not None or (home is not None and os.path.exists(f"{home}/bin/nvcc"))
 
 
 def loaded() -> bool:
@@ -73,7 +74,7 @@ def load() -> None:
     except (RuntimeError, OSError, ImportError) as e:
         raise ToolchainError(f"the native CUDA kernels ({', '.join(_SOURCES)}) did not build: {str(e)[-600:]}; "
                              "install the CUDA toolkit (nvcc) that matches torch, or export without them "
-                             "(ONECOPY_NATIVE=0)") from e
+                             "(--no-native-kernels, export(native_kernels=False))") from e
     finally:
         for k, v in saved.items():
             if v is None:
@@ -96,8 +97,3 @@ def _register_fakes() -> None:
     @torch.library.register_fake(f"{LIBRARY}::paged_decode_rope_q8")
     def _(qkv, cos, sin, k_pool, v_pool, k_scale, v_scale, table, rows, lengths, splits, block):
         return heads_out(qkv, k_pool, True)
-
-
-def enabled() -> bool:
-    """The native kernels are used where `supported` unless ONECOPY_NATIVE=0 (then the Triton ops serve)."""
-    return os.environ.get("ONECOPY_NATIVE", "1") != "0"

@@ -280,8 +280,8 @@ __global__ void __launch_bounds__(kWarps * 32) decode_q8_kernel(const DecodeQ8Pa
       const float k_sc = fmaxf(kmx, 1e-30f) * inv_qmax, v_sc = fmaxf(vmx, 1e-30f) * inv_qmax;
       const int64_t page = tab[cur >> p.bs_shift];
       const int off = cur & bs_mask;
-      uint8_t* kd = reinterpret_cast<uint8_t*>(p.k) + kvh * p.stride_kh + page * p.stride_kp + off * D + lane * E;
-      uint8_t* vd = reinterpret_cast<uint8_t*>(p.v) + kvh * p.stride_vh + page * p.stride_vp + off * D + lane * E;
+      uint8_t* kd = reinterpret_cast<uint8_t*>(p.k) + kvh * p.stride_kh + page * p.page_bytes + off * D + lane * E;
+      uint8_t* vd = reinterpret_cast<uint8_t*>(p.v) + kvh * p.stride_vh + page * p.page_bytes + off * D + lane * E;
 #pragma unroll
       for (int e = 0; e < E; ++e) {
         float yk = __fdiv_rn(kf[e], k_sc), yv = __fdiv_rn(vf[e], v_sc);
@@ -300,8 +300,8 @@ __global__ void __launch_bounds__(kWarps * 32) decode_q8_kernel(const DecodeQ8Pa
         }
       }
       if (lane == 0) {
-        p.ks[kvh * p.stride_sh + page * p.stride_sp + off] = k_sc;
-        p.vs[kvh * p.stride_sh + page * p.stride_sp + off] = v_sc;
+        p.ks[kvh * p.stride_sh + page * p.page_scales + off] = k_sc;
+        p.vs[kvh * p.stride_sh + page * p.page_scales + off] = v_sc;
         sm_new[8] = v_sc;
       }
       __syncwarp();

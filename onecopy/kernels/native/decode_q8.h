@@ -8,7 +8,8 @@
 namespace onecopy_native {
 
 // Strides are in elements of their tensor (bytes for the 8-bit pools). `q`: with `new_kv`, the decode step's
-// qkv rows [B, (HQ + 2 HKV) D] (stride_qh = D), else q [B, HQ, D]. Pools [NB, HKV, BS, D], scales [NB, HKV, BS],
+// qkv rows [B, (HQ + 2 HKV) D] (stride_qh = D), else q [B, HQ, D]. Pools [NB, HKV, BS, D] and scales [NB, HKV, BS],
+// contiguous (checked by ops.cpp): a page is page_bytes / page_scales apart, its positions D bytes / 1 apart,
 // table [P, NBMAX] (unit column stride), po [B, HQ, NSE, D] and pml [B, HQ, NSE, 2] (contiguous; unused with
 // nse == 1, when the kernel writes `out` [B, HQ, D] itself).
 struct DecodeQ8Params {
@@ -16,10 +17,10 @@ struct DecodeQ8Params {
   int64_t stride_qb, stride_qh;
   void* k;
   void* v;
-  int64_t stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs;
+  int64_t stride_kh, stride_vh;
   float* ks;
   float* vs;
-  int64_t stride_sp, stride_sh;
+  int64_t stride_sh;
   const int64_t* table;
   int64_t stride_t;
   const int64_t* rows;
@@ -31,11 +32,11 @@ struct DecodeQ8Params {
   float* pml;
   void* out;
   int b, hq, hkv, g, d;
-  uint32_t page_bytes;   // stride_kp == stride_vp (both pools contiguous and alike), < 2^32
-  uint32_t page_scales;  // stride_sp, < 2^32
+  uint32_t page_bytes;   // the pools' page stride (K and V alike), < 2^32
+  uint32_t page_scales;  // the scale pools' page stride, < 2^32
   int bs_shift;  // log2 of the page size (a power of two >= 16)
   int nse;       // splits launched per (row, KV head)
-  int block;     // a split's positions are a multiple of this (kernels.tiles.BLOCK_N_Q8)
+  int block;     // a split's positions are a multiple of this (kernels.tiles.native_decode_splits)
   float scale;   // softmax scale
   bool fp8, new_kv, bf16;
 };

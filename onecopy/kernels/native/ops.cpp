@@ -57,11 +57,11 @@ at::Tensor decode_q8(const at::Tensor& q, const std::optional<at::Tensor>& cos, 
   p.stride_qh = new_kv ? d : q.stride(1);
   p.k = k_pool.data_ptr();
   p.v = v_pool.data_ptr();
-  p.stride_kp = k_pool.stride(0); p.stride_kh = k_pool.stride(1); p.stride_ks = k_pool.stride(2);
-  p.stride_vp = v_pool.stride(0); p.stride_vh = v_pool.stride(1); p.stride_vs = v_pool.stride(2);
+  p.stride_kh = k_pool.stride(1);
+  p.stride_vh = v_pool.stride(1);
   p.ks = k_scale.data_ptr<float>();
   p.vs = v_scale.data_ptr<float>();
-  p.stride_sp = k_scale.stride(0); p.stride_sh = k_scale.stride(1);
+  p.stride_sh = k_scale.stride(1);
   p.table = table.data_ptr<int64_t>();
   p.stride_t = table.stride(0);
   p.rows = rows.data_ptr<int64_t>();
