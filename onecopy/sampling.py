@@ -9,44 +9,11 @@ sessions share the step or on any generator state. Only the chosen ids leave the
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from .errors import InputError
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens. temperature 0 means greedy."""
-
-    temperature: float = 0.0
-    top_k: int = 0  # 0: no top-k cut
-    top_p: float = 1.0
-    seed: int | None = None  # None: a random seed per request
-    max_new_tokens: int = 256
-    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or output (CTRL-style)
-    suppress_ids: tuple[int, ...] = field(default=())  # never generated
-    begin_suppress_ids: tuple[int, ...] = field(default=())  # not generated as the first token
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise InputError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise InputError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.repetition_penalty <= 0:
-            raise InputError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise InputError(f"seed must be in [0, 2**63), got {self.seed}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
+from .params import SamplingParams
 
 # splitmix64 constants as signed int64 (torch has no full uint64 arithmetic); products wrap mod 2**64.
 _GOLDEN = 0x9E3779B97F4A7C15 - 2**64

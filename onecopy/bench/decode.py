@@ -75,7 +75,7 @@ def _row(name: str, prompt_len: int, ttft_s: float, step_ms: float, floor_ms: fl
 
 def run_onecopy(engine, prompt: list[int], new_tokens: int) -> tuple[float, float, float]:
     """(TTFT s, ms/token through the scheduler, ms/token of the decode graph alone at that context)."""
-    from ..sampling import SamplingParams
+    from ..params import SamplingParams
 
     stream = engine.submit(prompt, SamplingParams(max_new_tokens=new_tokens), stop_ids=[])
     stream.result(timeout=1800)

@@ -94,7 +94,7 @@ async def run_http(url: str, model: str, prompts: list[list[int]], max_tokens: i
 
 async def run_direct(engine: Any, prompts: list[list[int]], max_tokens: int, concurrency: int) -> dict[str, Any]:
     """The same load straight to the scheduler: the peer without HTTP, JSON or SSE."""
-    from ..sampling import SamplingParams
+    from ..params import SamplingParams
 
     queue = list(prompts)
     results: list[_Result] = []

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InputError
-from ..sampling import SamplingParams
+from ..params import SamplingParams
 from .errors import APIError, bad_request, unsupported
 
 MAX_STOP_STRINGS = 4  # as the OpenAI API
