@@ -7,13 +7,45 @@ import logging
 import sys
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from .errors import OnecopyError
+
+if TYPE_CHECKING:
+    from .runtime.config import EngineConfig
+
+
+def add_engine_options(p: argparse.ArgumentParser, *, max_queue: int | None) -> None:
+    """The `EngineConfig` options a command takes (serve, bench serve): one list, one meaning."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--max-sessions", type=int, help="requests generated at once (rows of the state pool)")
+    g.add_argument("--max-queue", type=int, default=max_queue,
+                   help=f"requests waiting for a row before 429 (default {max_queue or 'unbounded'})")
+    g.add_argument("--token-budget", type=int, metavar="TOKENS",
+                   help="prefill chunks of several prompts per scheduler iteration while the iteration's tokens (a "
+                        "decoding session: 1, a chunk: its length) fit, e.g. 4096; the oldest prompt's chunk and every "
+                        "decoding session always run (default: one chunk per iteration)")
+    g.add_argument("--prefill-chunk", type=int, metavar="TOKENS", help="prompt tokens per prefill call (default 512)")
+    g.add_argument("--kv-blocks", type=int, help="KV blocks of the paged cache (default: from free memory)")
+    g.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant decoding: a session's tokens never depend on its neighbours")
+    g.add_argument("--no-prefix-cache", action="store_true",
+                   help="no KV blocks shared across requests: every prompt is prefilled whole, except a chat's "
+                        "history held by a kept session (the conversation cache, unless --no-conversation-cache)")
+
+
+def engine_config(a: argparse.Namespace, **overrides: object) -> "EngineConfig":
+    from .runtime.config import EngineConfig
+
+    return EngineConfig.of(max_sessions=a.max_sessions, max_queue=a.max_queue, token_budget=a.token_budget,
+                           prefill_chunk=a.prefill_chunk, kv_blocks=a.kv_blocks, deterministic=a.deterministic,
+                           prefix_cache=not a.no_prefix_cache, **overrides)
 
 
 def _cmd_run(a: argparse.Namespace) -> int:
     from .defaults import default_bundle
     from .runtime.engine import Engine
-    from .sampling import SamplingParams
+    from .params import SamplingParams
 
     bundle = Path(a.bundle) if a.bundle else default_bundle(a.device)
     params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
@@ -63,8 +95,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         return _serve_replicas(a, bundle, config)
     if a.ray_address is not None:
         raise OnecopyError("--ray-address needs --replicas N (without it onecopy serves in this process)")
-    engine = Engine.load(bundle, a.device, max_sessions=a.max_sessions, max_queue=a.max_queue,
-                         deterministic=a.deterministic, prefix_cache=not a.no_prefix_cache, token_budget=a.token_budget)
+    engine = Engine.load(bundle, a.device, engine_config(a))
     print(f"onecopy: serving {name} on http://{a.host}:{a.port}/v1 ({engine.max_sessions} sessions at once)",
           file=sys.stderr)
     serve(engine, config, host=a.host, port=a.port, grace_s=a.grace)
@@ -78,9 +109,7 @@ def _serve_replicas(a: argparse.Namespace, bundle: Path, config) -> int:
     except ImportError as e:
         raise OnecopyError(f"--replicas runs on Ray Serve, which is not installed ({e}); "
                            "install it with: pip install 'onecopy[ray]'") from None
-    spec = ReplicaSpec(bundle=str(bundle.resolve()), device=a.device, max_sessions=a.max_sessions,
-                       max_queue=a.max_queue, deterministic=a.deterministic, prefix_cache=not a.no_prefix_cache,
-                       token_budget=a.token_budget, server=config)
+    spec = ReplicaSpec(bundle=str(bundle.resolve()), device=a.device, engine=engine_config(a), server=config)
     where = f"the Ray cluster at {a.ray_address}" if a.ray_address else "a local Ray cluster"
     print(f"onecopy: serving {config.model_name} on http://{a.host}:{a.port}/v1 from {a.replicas} replica(s) on {where} "
           f"(one engine per {'GPU' if a.device == 'cuda' else 'CPU'})", file=sys.stderr)
@@ -113,8 +142,8 @@ def _cmd_bench_serve(a: argparse.Namespace) -> int:
 
         bundle = Path(a.bundle) if a.bundle else default_bundle(a.device, model=a.source or EMBEDDED_DEFAULT)
         with contextlib.ExitStack() as stack:
-            engine = stack.enter_context(Engine.load(bundle, a.device, max_sessions=a.max_sessions or max(levels),
-                                                     max_queue=None))
+            engine = stack.enter_context(Engine.load(bundle, a.device,
+                                                     engine_config(a, max_sessions=a.max_sessions or max(levels))))
             server = stack.enter_context(BackgroundServer(engine, ServerConfig(model_name="bench",
                                                                                conversation_cache=False)))
             res = bench_serve(url=server.url, engine=engine, model="bench", levels=levels,
@@ -158,7 +187,7 @@ def _cmd_export(a: argparse.Namespace) -> int:
 
 def _cmd_info(a: argparse.Namespace) -> int:
     from .bundle import parse_dtype, read_manifest
-    from .runtime.engine import gpu_reserve
+    from .runtime.memory import gpu_reserve
 
     m = read_manifest(Path(a.bundle))
     weight_bytes = sum(s.nbytes for s in m.weights.values())
@@ -286,20 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--port", type=int, default=8000)
     v.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 endpoints")
     v.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    v.add_argument("--max-sessions", type=int, help="requests generated at once (rows of the state pool)")
-    v.add_argument("--max-queue", type=int, default=64, help="requests waiting for a row before 429 (default 64)")
-    v.add_argument("--token-budget", type=int, metavar="TOKENS",
-                   help="prefill chunks of several prompts per scheduler iteration while the iteration's tokens (a "
-                        "decoding session: 1, a chunk: its length) fit, e.g. 4096; the oldest prompt's chunk and every "
-                        "decoding session always run (default: one chunk per iteration)")
+    add_engine_options(v, max_queue=64)
     v.add_argument("--model-name", help="the model id clients use (default: the source's name)")
-    v.add_argument("--deterministic", action="store_true",
-                   help="batch-invariant decoding: a session's tokens never depend on its neighbours")
     v.add_argument("--grace", type=float, default=10.0, help="seconds streams get to finish after SIGTERM")
     v.add_argument("--max-body-bytes", type=int, default=4 << 20)
-    v.add_argument("--no-prefix-cache", action="store_true",
-                   help="no KV blocks shared across requests: every prompt is prefilled whole, except a chat's "
-                        "history held by a kept session (the conversation cache, unless --no-conversation-cache)")
     v.add_argument("--no-conversation-cache", action="store_true",
                    help="without a prefix cache (--no-prefix-cache, or a bundle without paged KV): do not keep "
                         "finished chats' sessions; prefill every chat's history again")
@@ -337,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--requests-per-client", type=int, default=4)
     bs.add_argument("--prompt-len", type=int, default=128)
     bs.add_argument("--max-tokens", type=int, default=64)
-    bs.add_argument("--max-sessions", type=int, help="pool rows (default: the largest level)")
+    add_engine_options(bs, max_queue=None)  # --max-sessions defaults to the largest level
     bs.add_argument("--api-key")
     bs.add_argument("--out", help="write the JSON here (e.g. benchmarks/results/serve_load.json)")
     bs.set_defaults(fn=_cmd_bench_serve)

@@ -64,11 +64,9 @@ class EngineClosedError(OnecopyError):
 
 
 class EngineFailedError(OnecopyError):
-    """A device error left the engine's context unusable (CUDA errors are sticky); load it again in a new process."""
-
-
-class StepFailedError(OnecopyError):
-    """The step a request ran in raised; the request ended. The engine serves on."""
+    """A device call failed, so the engine serves no more (fail closed: the device's state is unknown, and a
+    CUDA error is sticky); its message names a reference into the log, ``__cause__`` is the raw error. Load
+    the bundle again in a new process."""
 
 
 class SessionClosedError(OnecopyError):

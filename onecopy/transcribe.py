@@ -19,8 +19,8 @@ from .audio import LogMel, load_audio, windows
 from .bundle import parse_dtype
 from .errors import InputError
 from .runtime.engine import Engine
-from .runtime.loop import TokenStream
-from .sampling import SamplingParams
+from .runtime.stream import TokenStream
+from .params import SamplingParams
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from onecopy.bundle import parse_dtype
-from onecopy.runtime.blocks import KVBlocks
+from onecopy.runtime.block_tensors import BlockTensors
 from onecopy.runtime.pool import StatePool
 from onecopy.runtime.step import DecodeStep, default_buckets, runs_one_row_per_call
 from onecopy.runtime.workspace import Workspace
@@ -45,13 +45,12 @@ def decode_placed(engine, state: dict[str, torch.Tensor], token: int, position: 
     blocks = None
     if paged:  # every row's blocks at shuffled places, the session's among them
         width, bs = m.table_width, m.kv_block_size
-        blocks = KVBlocks({f: m.state[f] for f in paged}, pool_rows * width, pool_rows, width, bs, engine.device, False)
+        blocks = BlockTensors({f: m.state[f] for f in paged}, pool_rows * width, pool_rows, width, bs, engine.device)
         order = torch.randperm(pool_rows * width, generator=g).view(pool_rows, width)
         blocks.table[:pool_rows] = order.to(engine.device)
-        blocks.owned[:pool_rows] = order.tolist()
         for t in blocks.tensors.values():
             t.copy_((0.1 * torch.randn(t.shape, generator=g)).to(t.dtype))
-        blocks.write(row, {f: state[f] for f in paged})
+        blocks.write(order[row].tolist(), {f: state[f] for f in paged})
         pools = [blocks.table, *[blocks.tensors[f] for f in method.spec.state]]
     step = DecodeStep(method, pool, pools, Workspace(), buckets=default_buckets(pool_rows),
                       one_row_per_call=runs_one_row_per_call(method.spec, engine.deterministic))

@@ -62,8 +62,8 @@ def test_log_level_info_says_how_the_engine_was_set_up_and_default_is_quiet(tiny
     args = ("run", "--bundle", str(tiny_bundle), "--raw", "--max-new-tokens", "2", " hello")
     r = onecopy("--log-level", "debug", *args)
     assert r.returncode == 0, r.stderr
-    assert "onecopy.engine INFO" in r.stderr and "CPU default" in r.stderr  # the pool sizing rule
-    assert "onecopy.loop DEBUG request 0 finished: length" in r.stderr
+    assert "onecopy.runtime.engine INFO" in r.stderr and "CPU default" in r.stderr  # the pool sizing rule
+    assert "onecopy.runtime.loop DEBUG request 0 finished: length" in r.stderr
     r = onecopy(*args)
     assert r.returncode == 0 and "onecopy." not in r.stderr
 

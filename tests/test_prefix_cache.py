@@ -16,7 +16,8 @@ PROMPT = list(range(3, 43))  # 40 tokens: two full blocks and a partial one
 
 
 def _blocks(engine):
-    return engine.runner.blocks
+    """The engine's KV cache manager: which rows hold which blocks (host bookkeeping)."""
+    return engine.scheduler.kv
 
 
 def _state(session) -> dict[str, torch.Tensor]:
@@ -97,11 +98,11 @@ def test_refcounts_return_to_zero_and_shared_bytes_are_reported(tiny_engine):
     streams = [tiny_engine.submit(PROMPT + [60 + i], GREEDY, keep_session=True) for i in range(4)]
     for s in streams:
         s.result()
-    blocks = _blocks(tiny_engine)
+    blocks, block_bytes = _blocks(tiny_engine), tiny_engine.runner.blocks.block_bytes
     r = tiny_engine.memory_report()
     # The first request's two prompt blocks are read by all four sessions; each has its own tail.
-    assert r.kv_shared_bytes == 2 * blocks.block_bytes
-    assert r.kv_private_bytes == 4 * blocks.block_bytes  # 41 + 5 positions: a third block each
+    assert r.kv_shared_bytes == 2 * block_bytes
+    assert r.kv_private_bytes == 4 * block_bytes  # 41 + 5 positions: a third block each
     assert r.kv_references == 2 * 4 + 4  # what unshared KV would hold, in blocks
     for s in streams:
         s.session.close()

@@ -17,6 +17,7 @@ import ray
 from ray import serve
 
 import onecopy
+from onecopy import EngineConfig
 from onecopy.replicas.deployments import REPLICA_HEADER, ReplicaSpec
 from onecopy.replicas.launch import APP_NAME, ReplicatedServer, build_application
 from onecopy.serve import ServerConfig
@@ -48,7 +49,7 @@ def _deploy(server, spec, replicas=2):
     """Replace the running app by ``replicas`` engines of ``spec``; wait until every one reports."""
     serve.run(build_application(spec, replicas, grace_s=5), name=APP_NAME, route_prefix="/")
     server.deployed = spec
-    rows = spec.max_sessions or 8
+    rows = spec.engine.max_sessions or 8
     assert wait_until(lambda: [r["rows_total"] for r in _live(server.url)] == [rows] * replicas, timeout=120)
 
 
@@ -62,7 +63,8 @@ def _kill(replica_id):
 
 @pytest.fixture(scope="module")
 def cluster(tiny_bundle):
-    spec = ReplicaSpec(str(tiny_bundle), max_sessions=2, max_queue=2, server=ServerConfig(model_name="tiny"))
+    spec = ReplicaSpec(str(tiny_bundle), engine=EngineConfig(max_sessions=2, max_queue=2),
+                       server=ServerConfig(model_name="tiny"))
     server = ReplicatedServer(spec, 2, port=_free_port(), num_cpus=4, grace_s=5)
     server.start()
     server.spec = server.deployed = spec
@@ -141,7 +143,8 @@ def test_a_killed_replica_is_replaced_and_requests_go_on(tiny):
 
 @pytest.fixture
 def smol(cluster, smollm2_bundle):
-    spec = ReplicaSpec(str(smollm2_bundle), max_sessions=4, max_queue=0, server=ServerConfig(model_name="smollm2"))
+    spec = ReplicaSpec(str(smollm2_bundle), engine=EngineConfig(max_sessions=4, max_queue=0),
+                       server=ServerConfig(model_name="smollm2"))
     _deploy(cluster, spec)
     return cluster
 
@@ -211,7 +214,7 @@ def test_conversations_stay_with_their_replica_full_rows_give_429_and_a_dead_rep
 
 @pytest.mark.slow
 def test_transcriptions_through_the_replicas(cluster, whisper_bundle, speech_wav):
-    spec = ReplicaSpec(str(whisper_bundle), max_sessions=2, server=ServerConfig(model_name="whisper"))
+    spec = ReplicaSpec(str(whisper_bundle), engine=EngineConfig(max_sessions=2), server=ServerConfig(model_name="whisper"))
     _deploy(cluster, spec)
     with open(speech_wav, "rb") as f:
         r = _client(cluster.url).audio.transcriptions.with_raw_response.create(model="whisper", file=f)

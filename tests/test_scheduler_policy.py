@@ -1,48 +1,35 @@
-"""The scheduler as pure policy: plans and bookkeeping with fake sessions, no bundle, no tensors."""
+"""The scheduler as pure policy: plans, rows and bookkeeping on the host, no bundle, no tensors."""
+
+import threading
 
 import pytest
 
 from onecopy.errors import InputError, QueueFullError
-from onecopy.runtime.scheduler import Request, RequestStatus, Scheduler
-from onecopy.sampling import SamplingParams
+from onecopy.params import SamplingParams
+from onecopy.runtime.plan import ZeroRow
+from onecopy.runtime.request import Request, RequestStatus
+from onecopy.runtime.rows import RowAllocator, RowLease
+from onecopy.runtime.scheduler import Scheduler
 
 
-class FakeSession:
-    def __init__(self, row: int) -> None:
-        self.row, self.position = row, 0
-
-
-class FakeRows:
-    """The engine's part: a free list of rows."""
-
-    def __init__(self, rows: int) -> None:
-        self.free = list(range(rows))
-
-    @property
-    def free_rows(self) -> int:
-        return len(self.free)
-
-    def open_session(self) -> FakeSession:
-        return FakeSession(self.free.pop(0))
-
-
-def request(prompt, max_new_tokens=4, stop=(), session=None) -> Request:
-    return Request(0, list(prompt), SamplingParams(max_new_tokens=max_new_tokens), frozenset(stop), session,
-                   own_session=session is None)
+def request(prompt, max_new_tokens=4, stop=(), row: int | None = None, keep=False) -> Request:
+    """A request on a row of its own, or (``row``) on a session's row."""
+    return Request(0, list(prompt), SamplingParams(max_new_tokens=max_new_tokens), frozenset(stop), keep_row=keep,
+                   lease=RowLease(row, 0) if row is not None else None, owns_row=row is None)
 
 
 def scheduler(rows=2, chunk=4, **kw) -> Scheduler:
-    return Scheduler(FakeRows(rows), max_seq_len=64, has_prefill=kw.pop("has_prefill", True), prefill_chunk=chunk, **kw)
+    return Scheduler(rows, max_seq_len=64, has_prefill=kw.pop("has_prefill", True), prefill_chunk=chunk, **kw)
 
 
 def test_requests_wait_for_rows_in_order_and_own_sessions_go_ahead():
     s = scheduler(rows=1)
     a, b = request([1, 2]), request([3])
-    mine = request([4], session=FakeSession(7))
+    mine = request([4], row=7)
     for r in (a, b, mine):
         s.add(r)
     assert s.admit() == [a, mine]  # b waits for a row; the request on its own session does not
-    assert (a.session.row, a.status, b.status) == (0, RequestStatus.PREFILLING, RequestStatus.WAITING)
+    assert (a.row, a.status, b.status) == (0, RequestStatus.PREFILLING, RequestStatus.WAITING)
     assert (s.waiting, s.running) == (1, 2)
 
 
@@ -57,7 +44,7 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_others_decode():
     s.update(p1, [50])
     p2 = s.schedule()  # long's first chunk, and short decodes its first sampled token at position 2
     assert (p2.prefill.request, p2.prefill.start, p2.prefill.tokens) == (long, 0, [10, 11, 12, 13])
-    assert p2.decode_rows == [short.session.row] and p2.decode_positions == [2] and p2.fed == []
+    assert p2.decode_rows == [short.row] and p2.decode_positions == [2] and p2.fed == []
     assert p2.sample == [(short, 0)] and p2.sample_positions == [3] and p2.sample_first == [False]
     p3 = s.schedule()
     assert p3.prefill.tokens == [14, 15, 16, 17] and p3.prefill.start == 4 and p3.decode_positions == [3]
@@ -90,9 +77,9 @@ def test_an_extra_step_after_a_stop_id_is_dropped_and_its_position_undone():
     s.admit()
     p1 = s.schedule()
     p2 = s.schedule()  # planned before p1's id is known
-    assert r.session.position == 4
+    assert r.position == 4
     s.update(p1, [99])
-    assert r.finish_reason == "stop" and r.session.position == 3  # the prompt; the stop id was never fed
+    assert r.finish_reason == "stop" and r.position == r.end == 3  # the prompt; the stop id was never fed
     assert s.update(p2, [42]) == []
 
 
@@ -167,7 +154,7 @@ def test_a_request_submitted_while_a_kept_conversation_gives_its_row_up_is_not_r
     """`add` runs on other threads while the loop admits: a request arriving mid-reclaim (the
     conversation gone from the cache, its row not yet free) must still see the room that is there."""
     s = scheduler(rows=2, max_queue=0)
-    s.rows.free = []  # both rows held by kept conversations
+    kept = [s.take_row(), s.take_row()]  # both rows held by kept conversations
     first, late = request([1]), request([9])
 
     class Reclaiming:
@@ -180,7 +167,7 @@ def test_a_request_submitted_while_a_kept_conversation_gives_its_row_up_is_not_r
             self.entries -= 1  # out of the cache; its row is not free yet
             if self.entries == 1:
                 s.add(late)  # a submit on another thread, right now: one kept conversation is still room
-            s.rows.free.append(0)
+            s.free_row(kept.pop())
             return True
 
     s.reclaimer = Reclaiming()
@@ -202,7 +189,7 @@ def test_a_token_budget_prefills_several_prompts_per_step_cut_where_one_chunk_wo
     s.admit()
     p = s.schedule()  # 1 decoding + a's first chunk (4) + b's whole prompt (3) = 8; c's chunk (4) would make 12
     assert [(x.request, x.start, x.tokens) for x in p.prefills] == [(a, 0, [10, 11, 12, 13]), (b, 0, [20, 21, 22])]
-    assert p.prefill is p.prefills[0] and p.decode_rows == [dec.session.row]
+    assert p.prefill is p.prefills[0] and p.decode_rows == [dec.row]
     assert p.sample == [(b, -2), (dec, 0)] and p.sample_positions == [3, 2]  # b's prompt ends in chunk 1: index -2
     s.update(p, [40, 41])
     p = s.schedule()  # a's rest (2) and c's first chunk (4) + 2 decoding = 8; cuts at 4, as without a budget
@@ -229,3 +216,103 @@ def test_the_oldest_prompt_advances_even_when_decode_fills_the_budget():
 def test_a_bad_token_budget_is_refused():
     with pytest.raises(InputError, match="token_budget must be >= 1"):
         scheduler(token_budget=0)
+
+
+def test_a_submit_while_admission_reads_the_queue_is_taken_next_time():
+    """`add` runs on submitting threads while the loop admits: admission reads a snapshot taken under the
+    queue's lock, so an append in the middle of it (here: while it reads a waiting request's cancel flag,
+    where a thread switch can happen) neither raises nor gets lost."""
+    s = scheduler(rows=2)
+    late = request([2])
+
+    class Racing(Request):
+        fired = False
+
+        def __getattribute__(self, name):
+            if name == "cancel_requested" and not type(self).fired:
+                type(self).fired = True
+                s.add(late)  # another thread's submit, at this very moment
+            return object.__getattribute__(self, name)
+
+    first = Racing(0, [1], SamplingParams(), frozenset())
+    s.add(first)
+    assert s.admit() == [first] and Racing.fired
+    assert s.admit() == [late]
+
+
+def test_submits_racing_admission_on_threads_are_each_admitted_once():
+    s = scheduler(rows=64)
+    done = threading.Event()
+    added: list[Request] = []
+
+    def submit():
+        for _ in range(400):
+            r = request([1])
+            s.add(r)
+            added.append(r)
+        done.set()
+
+    t = threading.Thread(target=submit)
+    t.start()
+    admitted = []
+    while not done.is_set() or s.waiting:
+        admitted += s.admit()
+        for r in list(admitted):
+            if r.status is not RequestStatus.FINISHED:
+                s.finish(r, "cancelled")
+        s.take_finished()
+    t.join()
+    assert len(admitted) == len(set(map(id, admitted))) == len(added) == 400
+    assert s.rows.free_list() == list(range(64))
+
+
+def test_giving_a_row_back_twice_is_a_no_op_and_a_stale_lease_never_frees_the_next_holder():
+    rows = RowAllocator(2)
+    a = rows.take()
+    assert rows.give_back(a) is True and rows.free_list() == [0, 1]
+    assert rows.give_back(a) is False and rows.free_list() == [0, 1]  # the second release changes nothing
+    b = rows.take()
+    assert b.row == a.row and b != a
+    assert rows.give_back(a) is False and rows.holds(b) and rows.free_list() == [1]  # a's holder is not b's
+
+
+def test_a_finished_request_gives_its_own_row_back_once_unless_it_is_kept():
+    s = scheduler(rows=2)
+    plain, kept, cancelled = request([1], max_new_tokens=1), request([2], max_new_tokens=1, keep=True), \
+        request([3], max_new_tokens=5, keep=True)
+    for r in (plain, kept):
+        s.add(r)
+    s.admit()
+    s.update(s.schedule(), [5])  # one prompt per step: plain's...
+    second = s.schedule()  # ...then kept's, after the zeroing of plain's row, which went back with it
+    s.update(second, [6])
+    assert (plain.finish_reason, kept.finish_reason) == ("length", "length")
+    assert s.rows.free_list() == [plain.row] and s.rows.holds(kept.lease)  # the kept row stays held
+    assert second.state_ops == [ZeroRow(plain.row)] and len(s.ops) == 0
+    assert s.free_row(plain.lease) is False  # already back: a second release is a no-op
+    s.add(cancelled)
+    s.admit()
+    cancelled.cancel_requested = True
+    s.admit()  # a cancelled request is not kept, even when asked: its row goes back
+    assert cancelled.finish_reason == "cancelled" and not s.rows.holds(cancelled.lease)
+    assert s.free_row(cancelled.lease) is False and sorted(s.rows.free_list()) == [plain.row]
+
+
+def test_a_request_whose_admission_raises_half_way_is_still_ended_by_finish_all():
+    """Admission that raises after taking the request out of the queue (a bug, or broken state) must not
+    lose it: failing the engine ends every request the scheduler was given, wherever it was."""
+    from onecopy.runtime.kv_manager import KVSpec
+
+    s = Scheduler(2, max_seq_len=64, has_prefill=True, prefill_chunk=4, kv=KVSpec(8, 4, 16, True))
+    r = request([1, 2, 3])
+    s.add(r)
+
+    def broken(req):
+        raise RuntimeError("bookkeeping broke")
+
+    s.kv.place = broken
+    with pytest.raises(RuntimeError, match="bookkeeping broke"):
+        s.admit()
+    assert s.waiting == s.running == 0 and s.requests() == [r]  # in neither list, but not lost
+    s.finish_all("error", RuntimeError("the engine failed"))
+    assert s.take_finished() == [r] and r.finish_reason == "error" and s.requests() == []

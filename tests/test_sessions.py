@@ -120,7 +120,7 @@ def test_max_sessions_refusal_names_the_numbers(tiny_bundle):
         s = e.open_session()
         assert e.capacity() == 0
         with pytest.raises(onecopy.SessionCapacityError,
-                           match=rf"all 2 rows of the state pool are in use \(max_sessions=2; .*; {e.session_bytes} bytes each\)"
+                           match=rf"all 2 rows of the state pool are in use \(max_sessions=2; .*; {e.state_bytes_per_session} bytes each\)"
                                  r".*Close a session, or load the engine with a larger max_sessions"):
             e.open_session()
         s.close()
@@ -131,7 +131,7 @@ def test_max_sessions_refusal_names_the_numbers(tiny_bundle):
 def test_memory_budget_sizes_the_pool(tiny_bundle):
     with onecopy.Engine.load(tiny_bundle, max_sessions=1) as e:
         # a session's state at max_seq_len, its rows of the sampler's tables and of the block table
-        per = e.session_bytes + 3 * e.vocab_size + 8 * e.manifest.table_width
+        per = e.state_bytes_per_session + 3 * e.vocab_size + 8 * e.manifest.table_width
     with pytest.raises(onecopy.SessionCapacityError, match=rf"no session fits: one needs {2 * per} bytes .*memory_budget=1 bytes"):  # noqa: E501
         onecopy.Engine.load(tiny_bundle, memory_budget=1)
     with onecopy.Engine.load(tiny_bundle, memory_budget=int(3.5 * per)) as e:
@@ -142,7 +142,7 @@ def test_memory_budget_sizes_the_pool(tiny_bundle):
 
 def test_pool_sizing_rules(monkeypatch):
     """CPU: 8 rows unless told; CUDA: a fraction of device memory, capped (like vLLM's gpu_memory_utilization)."""
-    from onecopy.runtime import engine as engine_mod
+    from onecopy.runtime import memory as engine_mod
 
     cpu = torch.device("cpu")
     assert engine_mod.size_pool(1000, cpu, max_sessions=None, memory_budget=None, memory_fraction=0.9, reserve=0)[0] == 8

@@ -12,7 +12,7 @@ K/V only into those rows and read them without materialising a per-row copy of t
 
 Paged KV (``Step.table`` given): the pools are [NB, H, BS, D], blocks of BS positions, and a session's
 position p lives in block ``table[row, p // BS]`` at offset ``p % BS``. Sessions that share a prompt
-point their tables at the same blocks (`runtime.blocks`); the helpers below then address through the
+point their tables at the same blocks (`runtime.kv_manager`); the helpers below then address through the
 table (`write_paged`, `gather_paged`) and the CUDA kernels read it in place.
 
 8-bit KV (`kv_quant`, paged only): the pools hold int8 or fp8 values and two more pools [NB, H, BS]

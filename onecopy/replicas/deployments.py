@@ -23,6 +23,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ..runtime.config import EngineConfig
 from ..serve.app import ServerConfig, create_app, read_body
 from ..serve.asgi import HTTPRequest, call_asgi, lifespan
 from ..serve.errors import APIError
@@ -40,16 +41,13 @@ _HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection"}
 
 @dataclass
 class ReplicaSpec:
-    """What every replica loads: the bundle (a path every node can read), the engine's options and the
-    server's config. Plain data: it travels to the replicas' processes."""
+    """What every replica loads: the bundle (a path every node can read), the engine's options (the same
+    `EngineConfig` `Engine.load` and `onecopy serve` take) and the server's config. Plain data: it travels
+    to the replicas' processes."""
 
     bundle: str
     device: str = "cpu"
-    max_sessions: int | None = None
-    max_queue: int | None = 64
-    deterministic: bool = False
-    prefix_cache: bool = True
-    token_budget: int | None = None
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(max_queue=64))
     server: ServerConfig = field(default_factory=lambda: ServerConfig(model_name="onecopy"))
     report_period_s: float = 0.5
 
@@ -63,9 +61,7 @@ class EngineReplica:
         ctx = serve.get_replica_context()
         self.id, self.app_name, self.ingress = ctx.replica_id.unique_id, ctx.app_name, ingress
         self.spec = spec
-        self.engine = Engine.load(spec.bundle, spec.device, max_sessions=spec.max_sessions, max_queue=spec.max_queue,
-                                  deterministic=spec.deterministic, prefix_cache=spec.prefix_cache,
-                                  token_budget=spec.token_budget)
+        self.engine = Engine.load(spec.bundle, spec.device, spec.engine)
         self.app = create_app(self.engine, spec.server)
         self._lifespan = contextlib.AsyncExitStack()
         await self._lifespan.enter_async_context(lifespan(self.app))
@@ -110,9 +106,10 @@ class EngineReplica:
         alive = not e.closed
         return ReplicaReport(
             replica=self.id, status=status, rows_total=e.max_sessions if alive else 0,
-            rows_free=e.capacity() if alive else 0, running=e.scheduler.running, waiting=e.scheduler.waiting,
+            rows_free=e.free_rows, running=e.scheduler.running, waiting=e.scheduler.waiting,
             conversations=len(state.cache) if state.cache is not None else 0,
-            device_memory_used_bytes=int(device_used(e.device, sync=False)) if alive else 0,
+            # a failed CUDA context refuses even cudaMemGetInfo: report nothing rather than fail the report
+            device_memory_used_bytes=int(device_used(e.device, sync=False)) if alive and not e.failed else 0,
             device=str(e.device), reason=e.failed)
 
     async def _report_forever(self) -> None:

@@ -19,7 +19,7 @@ from .method import Method
 from .weights import WeightStore
 
 WARMUP_RUNS = 2
-log = logging.getLogger("onecopy.graphs")
+log = logging.getLogger(__name__)
 
 
 class DecodeGraphs:

@@ -1,4 +1,4 @@
-"""Memory accounting: bytes we own, summed, and what the device itself reports.
+"""Memory: how many session rows and KV blocks fit, what an Engine holds, and what the device reports.
 
 AOTInductor allocates with raw cudaMalloc, so torch's allocator statistics miss it: on CUDA the
 device figure comes from cudaMemGetInfo; on CPU it is the process's resident set.
@@ -10,6 +10,12 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+
+from ..bundle import Manifest
+from ..errors import SessionCapacityError
+
+CPU_DEFAULT_SESSIONS = 8  # pool rows on CPU unless max_sessions or memory_budget say otherwise
+CUDA_MAX_SESSIONS = 256  # cap on the rows sized from free GPU memory (and on the largest decode graph)
 
 
 def device_used(device: torch.device, sync: bool = True) -> int:
@@ -35,6 +41,97 @@ def available_bytes(device: torch.device) -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("/proc/meminfo has no MemAvailable")
+
+
+def gpu_reserve(total_bytes: int) -> int:
+    """GPU memory kept free for activations, graphs and workspaces when sizing the state pool."""
+    return max(512 * 2**20, total_bytes // 20)
+
+
+def default_reserve(device: torch.device) -> int:
+    if device.type == "cuda":
+        return gpu_reserve(torch.cuda.get_device_properties(device).total_memory)
+    return 1 << 30
+
+
+def gpu_room(device: torch.device, memory_fraction: float, reserve: int) -> int:
+    """Bytes the state may take on a GPU: ``memory_fraction`` of it after what is in use and ``reserve``."""
+    free, total = torch.cuda.mem_get_info(device)
+    return min(free, int(total * memory_fraction) - (total - free)) - reserve
+
+
+def row_bytes(manifest: Manifest) -> tuple[int, int]:
+    """(bytes of one session's row outside the paged KV, bytes of a session at max_seq_len).
+
+    The sampler keeps up to three bool [rows, vocab] tables and a row has a block table: both count
+    with the row."""
+    paged = set(manifest.paged_state)
+    fixed = sum(s.nbytes for k, s in manifest.state.items() if k not in paged) + 3 * int(
+        manifest.config["vocab_size"]) + 8 * manifest.table_width
+    return fixed, fixed + manifest.table_width * sum(manifest.state[f].nbytes for f in paged)
+
+
+def size_pool(row_bytes: int, device: torch.device, *, max_sessions: int | None, memory_budget: int | None,
+              memory_fraction: float, reserve: int) -> tuple[int, str]:
+    """How many session rows the pool gets, and why (said in the memory report).
+
+    ``max_sessions`` is taken as asked (refused if it does not fit); otherwise CUDA takes
+    ``memory_fraction`` of the device's memory minus what is in use and the reserve (like vLLM's
+    gpu_memory_utilization), up to CUDA_MAX_SESSIONS, and CPU takes CPU_DEFAULT_SESSIONS.
+    ``memory_budget`` bounds the pool's bytes in every case.
+    """
+    per = row_bytes or 1
+    if device.type == "cuda":
+        room = gpu_room(device, memory_fraction, reserve)
+        where = f"{memory_fraction:.2f} of device memory after what is in use and a {reserve / 2**20:,.0f} MiB reserve"
+    else:
+        room = available_bytes(device) - reserve
+        where = f"available host memory after a {reserve / 2**20:,.0f} MiB reserve"
+    if memory_budget is not None:
+        room, where = min(room, memory_budget), f"memory_budget={memory_budget} bytes"
+    fits = max(room, 0) // per - 1  # one row is scratch
+    if max_sessions is not None:
+        if max_sessions > fits:
+            raise SessionCapacityError(
+                f"max_sessions={max_sessions} needs {(max_sessions + 1) * per} bytes of state pool ({per} per session "
+                f"plus a scratch row) but {where} leaves room for {max(fits, 0)}; ask for fewer sessions, export with a "
+                "smaller --max-seq-len, or free memory")
+        return max_sessions, f"max_sessions={max_sessions}"
+    if fits < 1:
+        raise SessionCapacityError(f"no session fits: one needs {2 * per} bytes of state pool (its row and a scratch row) "
+                                   f"and {where} leaves {max(room, 0)}; export with a smaller --max-seq-len or free memory")
+    if memory_budget is not None:
+        return fits, f"{fits} rows fit in {where}"
+    if device.type == "cuda":
+        rows = min(fits, CUDA_MAX_SESSIONS)
+        why = f"capped at {CUDA_MAX_SESSIONS}; " if rows < fits else ""
+        return rows, f"{rows} rows from free GPU memory ({why}{fits} fit in {where})"
+    rows = min(fits, CPU_DEFAULT_SESSIONS)
+    return rows, f"{rows} rows: the CPU default (pass max_sessions or memory_budget to change it)"
+
+
+def size_blocks(rows: int, why: str, manifest: Manifest, fixed_row_bytes: int, device: torch.device, *,
+                kv_blocks: int | None, sized_by_user: bool, memory_fraction: float, reserve: int) -> tuple[int, int, str]:
+    """(rows, KV blocks, why) for a paged bundle, from the rows `size_pool` gave at full length.
+
+    By default every row can fill max_seq_len (``rows`` x the table width); on CUDA with nothing asked
+    the blocks take the free memory instead, with CUDA_MAX_SESSIONS rows: sessions that share a prompt
+    or stop early then fit beyond that count. ``kv_blocks`` sets the blocks itself.
+    """
+    block_bytes = sum(manifest.state[f].nbytes for f in manifest.paged_state)
+    width = manifest.table_width
+    if kv_blocks is not None:
+        return rows, kv_blocks, f"{why}; kv_blocks={kv_blocks}"
+    if device.type == "cuda" and not sized_by_user:
+        room = gpu_room(device, memory_fraction, reserve)
+        rows = CUDA_MAX_SESSIONS
+        blocks = (room - (rows + 1) * fixed_row_bytes) // block_bytes - 1
+        if blocks < width:
+            raise SessionCapacityError(f"one session at max_seq_len needs {width} KV blocks of {block_bytes} bytes and "
+                                       f"free GPU memory holds {max(blocks, 0)}; export with a smaller --max-seq-len")
+        return rows, blocks, (f"{rows} rows, {blocks} KV blocks ({blocks * manifest.kv_block_size} positions) from "
+                              f"{memory_fraction:.2f} of GPU memory after what is in use and the reserve")
+    return rows, rows * width, f"{why}; {rows * width} KV blocks: every row can reach max_seq_len"
 
 
 def _mib(n: int | None) -> str:

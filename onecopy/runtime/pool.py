@@ -1,14 +1,12 @@
 """The state pool: every state tensor with a leading row dimension, one row per session, one allocation.
 
 Rows 0..rows-1 belong to sessions; row ``rows`` is scratch: batched calls pad with it, so padding
-never writes a live session. A session owns exactly its row: reset zeroes it, close zeroes it and
-puts it back on the free list, a snapshot copies it out. The pool is allocated once, at load, so
-opening and closing sessions moves no device memory.
+never writes a live session. Who holds a row is the scheduler's (`rows.RowAllocator`); a released
+row is zeroed here before anything runs on it again (a `plan.ZeroRow`). The pool is allocated once,
+at load, so opening and closing sessions moves no device memory.
 """
 
 from __future__ import annotations
-
-import heapq
 
 import torch
 
@@ -34,7 +32,7 @@ def carve(specs: dict[str, TensorSpec], count: int, device: torch.device) -> tup
 
 
 class StatePool:
-    """Pool tensors [rows + 1, *shape] per state FQN, carved from one buffer, and the free rows."""
+    """Pool tensors [rows + 1, *shape] per state FQN, carved from one buffer."""
 
     def __init__(self, specs: dict[str, TensorSpec], rows: int, device: torch.device) -> None:
         for fqn, spec in specs.items():
@@ -43,25 +41,11 @@ class StatePool:
         self.rows, self.scratch, self.device = rows, rows, device
         self.row_bytes = sum(s.nbytes for s in specs.values())
         self.buffer, self.tensors = carve(specs, rows + 1, device)
-        self._free = list(range(rows))  # a heap: the lowest free row is handed out first
 
     @property
     def nbytes(self) -> int:
         """Device bytes of the whole pool (every row, the scratch row and alignment)."""
         return self.buffer.untyped_storage().nbytes()
-
-    @property
-    def free_rows(self) -> int:
-        return len(self._free)
-
-    def acquire(self) -> int:
-        """Take the lowest free row (its state is zero). The caller checks `free_rows` first."""
-        return heapq.heappop(self._free)
-
-    def release(self, row: int) -> None:
-        """Zero ``row`` and return it to the free list."""
-        self.zero_row(row)
-        heapq.heappush(self._free, row)
 
     def row(self, row: int) -> dict[str, torch.Tensor]:
         """Views of one row of every state tensor, by FQN."""
@@ -75,4 +59,3 @@ class StatePool:
         """Free the device memory now, even if a compiled runner still references the tensors."""
         self.buffer.untyped_storage().resize_(0)
         self.tensors = {}
-        self._free = []

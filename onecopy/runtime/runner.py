@@ -1,6 +1,6 @@
-"""The model runner: the loaded methods, the state pool, the decode step and its graphs, the sampler
-and each row's last token. It executes the scheduler's plans and the sessions' direct calls; it makes
-no scheduling choice. Callers hold the engine's lock.
+"""The model runner: the loaded methods, the state pool and KV blocks, the decode step and its graphs,
+the sampler and each row's last token. It executes the scheduler's plans (state operations first) and
+the sessions' direct calls; it makes no decision of its own. Callers hold the engine's lock.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import torch
 from ..bundle import Manifest
 from ..errors import InputError
 from ..sampling import BatchSampler, to_device
-from .blocks import KVBlocks
+from .block_tensors import BlockTensors
 from .graphs import DecodeGraphs
 from .method import Method
+from .plan import RequestStart, StateOp, StepPlan, ZeroRow
 from .pool import StatePool
-from .scheduler import Request, StepPlan
 from .step import DecodeStep, default_buckets, runs_one_row_per_call
 from .weights import WeightStore
 from .workspace import Workspace
@@ -51,15 +51,15 @@ class ModelRunner:
 
     def __init__(self, path: Path, manifest: Manifest, device: torch.device, methods: dict[str, Method],
                  store: WeightStore, rows: int, *, deterministic: bool, cuda_graphs: bool | None,
-                 decode_buckets: Sequence[int] | None, kv_blocks: int = 0, prefix_cache: bool = False) -> None:
+                 decode_buckets: Sequence[int] | None, kv_blocks: int = 0) -> None:
         self.path, self.manifest, self.device = path, manifest, device
         self.methods, self.store = methods, store
         self.workspace = Workspace()
         paged = set(manifest.paged_state)
         self.pool = StatePool({k: v for k, v in manifest.state.items() if k not in paged}, rows, device)
-        # Paged KV: ``kv_blocks`` blocks shared by every row through its block table (`blocks`).
-        self.blocks = KVBlocks({k: manifest.state[k] for k in manifest.state if k in paged}, kv_blocks, rows,
-                               manifest.table_width, manifest.kv_block_size, device, prefix_cache) if paged else None
+        # Paged KV: ``kv_blocks`` blocks shared by every row through its block table.
+        self.blocks = BlockTensors({k: manifest.state[k] for k in manifest.state if k in paged}, kv_blocks, rows,
+                                   manifest.table_width, manifest.kv_block_size, device) if paged else None
         # Row ids spaced 16 bytes apart: a one-row view stays 16-byte aligned, as the packages were compiled for
         # (an unaligned input is copied by AOTI on every call).
         self._row_index = torch.arange(rows + 1, device=device).repeat_interleave(2)
@@ -104,9 +104,20 @@ class ModelRunner:
     def _takes_context(method: Method) -> bool:
         return method.role == "prefill" and [i.name for i in method.spec.inputs][2:] == ["context"]
 
+    # -- state operations -----------------------------------------------------------------------------
+    def apply(self, ops: list[StateOp]) -> None:
+        """Carry out queued state operations, in order (before anything that reads the state runs)."""
+        for op in ops:
+            if isinstance(op, ZeroRow):
+                self.pool.zero_row(op.row)
+                self.sampler.release(op.row)
+            else:
+                self.blocks.apply(op)
+
     # -- one session's calls ------------------------------------------------------------------------
-    def run(self, row: int, name: str, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """Run method ``name`` on one row, its inputs checked first."""
+    def checked_inputs(self, name: str, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """A direct call's inputs checked against method ``name`` (a prefill's context added); InputError
+        before anything runs."""
         if name not in self.methods:
             raise InputError(f"bundle has no method {name!r}; it has {', '.join(self.methods)}")
         method = self.methods[name]
@@ -117,9 +128,18 @@ class ModelRunner:
         if method.role == "decode" and inputs[0].shape[0] != 1:
             raise InputError(f"{name} on one session takes a batch of 1, got {inputs[0].shape[0]}; "
                              "batches of sessions go through the scheduler")
-        if method.spec.paged and len(inputs) > 1 and inputs[1].numel():  # input_pos: the positions it writes
-            lo, hi = (int(v) for v in torch.aminmax(inputs[1]))
-            self.blocks.prepare(row, lo, hi + 1)
+        return inputs
+
+    def written_positions(self, name: str, inputs: tuple[torch.Tensor, ...]) -> tuple[int, int] | None:
+        """[lo, hi) of the KV positions a paged method writes (its input_pos), or None."""
+        if not (self.methods[name].spec.paged and len(inputs) > 1 and inputs[1].numel()):
+            return None
+        lo, hi = (int(v) for v in torch.aminmax(inputs[1]))
+        return lo, hi + 1
+
+    def run(self, row: int, name: str, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Run method ``name`` on one row with inputs `checked_inputs` gave."""
+        method = self.methods[name]
         with torch.inference_mode():
             return method(*inputs, self._rows(row), *self._pools(method))
 
@@ -144,22 +164,22 @@ class ModelRunner:
             method(*inputs, self._rows(row), *self._pools(method))
 
     # -- requests -----------------------------------------------------------------------------------
-    def start(self, req: Request) -> None:
+    def start(self, start: RequestStart) -> None:
         """Set up an admitted request on its row: its encode inputs, its sampling state."""
-        if req.encode_inputs is not None:
-            self.encode(req.session.row, req.encode_inputs)
-        self.sampler.admit(req.session.row, req.params, req.prompt)
-
-    def release(self, row: int) -> None:
-        """A request on ``row`` ended: forget its sampling state."""
-        self.sampler.release(row)
+        if start.encode_inputs is not None:
+            self.encode(start.row, start.encode_inputs)
+        self.sampler.admit(start.row, start.params, start.prompt)
 
     def execute(self, plan: StepPlan, *, overlap: bool) -> Launched:
-        """Queue ``plan``'s device work: the prefill chunks, the decode step, sampling, the copy of the ids.
+        """Queue ``plan``'s device work: its state operations, the admitted requests' set-up, the prefill
+        chunks, the decode step, sampling, the copy of the ids.
 
         With ``overlap`` on CUDA it returns before the ids reach the host, so the next step is queued
         while this one runs.
         """
+        self.apply(plan.state_ops)
+        for start in plan.starts:
+            self.start(start)
         logits: dict[int, torch.Tensor] = {}  # -1 - i: prefill chunk i's, 0: the decode step's
         for i, p in enumerate(plan.prefills):
             logits[-1 - i] = self.prefill(p.row, p.start, p.tokens)

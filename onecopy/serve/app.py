@@ -24,10 +24,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import EngineClosedError, EngineFailedError, InputError, OnecopyError, QueueFullError
 from ..runtime.engine import Engine
-from ..runtime.loop import TokenStream
+from ..runtime.stream import TokenStream
 from ..runtime.session import Session
 from .conversations import ConversationCache
-from .errors import APIError, bad_request
+from .errors import APIError, bad_request, unavailable
 from .metrics import ServerMetrics
 from .protocol import GenerationRequest, check_model, parse_generation, parse_json
 from .text import ReplyText
@@ -71,7 +71,7 @@ class _Generation:
             return None
         error = error or s.error
         if isinstance(error, (EngineClosedError, EngineFailedError)):
-            return APIError(503, str(error), type="server_error", code="engine_unavailable")
+            return unavailable(error)
         if isinstance(error, OnecopyError):
             return APIError(500, str(error), type="server_error")
         if error is not None:
@@ -294,7 +294,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             return JSONResponse({"status": "failed", "reason": engine.failed}, status_code=503)
         if state.shutting_down or engine.closed:
             return JSONResponse({"status": "shutting down"}, status_code=503)
-        return JSONResponse({"status": "ok", "rows_free": engine.capacity(), "running": engine.scheduler.running,
+        return JSONResponse({"status": "ok", "rows_free": engine.free_rows, "running": engine.scheduler.running,
                              "waiting": engine.scheduler.waiting})
 
     @app.get("/metrics")
@@ -335,7 +335,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             raise bad_request(str(e), code="invalid_value") from None
         except (EngineClosedError, EngineFailedError) as e:
             state.count(endpoint, 503)
-            raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
+            raise unavailable(e) from None
         except APIError as e:
             state.count(endpoint, e.status)
             raise

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import EngineFailedError
+
 
 class APIError(Exception):
     """An error a client gets as JSON, with the status, type and code the OpenAI API uses for it."""
@@ -25,3 +27,10 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def unsupported(param: str, what: str) -> APIError:
     return APIError(400, f"{what} is not supported by this server; remove '{param}' from the request", param=param,
                     code="unsupported_parameter")
+
+
+def unavailable(error: Exception) -> APIError:
+    """503 for an engine that serves no more: failed (its message names a log reference, never the raw
+    error) or closed."""
+    code = "engine_failed" if isinstance(error, EngineFailedError) else "engine_unavailable"
+    return APIError(503, str(error), type="server_error", code=code)

@@ -10,15 +10,16 @@ from ..runtime.memory import device_used
 
 if TYPE_CHECKING:
     from ..runtime.engine import Engine
-    from ..runtime.loop import TokenStream
+    from ..runtime.stream import TokenStream
     from .conversations import ConversationCache
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
 
 
 def _device_used(engine: "Engine") -> float:
-    """Device bytes in use now (the whole device on CUDA, this process on CPU); no device sync."""
-    return 0.0 if engine.closed else float(device_used(engine.device, sync=False))
+    """Device bytes in use now (the whole device on CUDA, this process on CPU); no device sync. Nothing once
+    the engine has failed: a failed CUDA context refuses even cudaMemGetInfo, and a scrape must not fail."""
+    return 0.0 if engine.closed or engine.failed else float(device_used(engine.device, sync=False))
 
 
 class ServerMetrics:
@@ -40,18 +41,18 @@ class ServerMetrics:
         Gauge("onecopy_requests_waiting", "Requests waiting for a free row", registry=r).set_function(
             lambda: sched.waiting)
         Gauge("onecopy_rows_free", "Free rows of the state pool", registry=r).set_function(
-            lambda: 0 if engine.closed else engine.capacity())
+            lambda: engine.free_rows)
         Gauge("onecopy_rows_total", "Rows of the state pool", registry=r).set_function(
             lambda: 0 if engine.closed else engine.max_sessions)
         Gauge("onecopy_conversations_cached", "Idle conversations kept on the device", registry=r).set_function(
             lambda: len(cache) if cache is not None else 0)
         Gauge("onecopy_device_memory_used_bytes", "Device memory in use (device-level)", registry=r).set_function(
             lambda: _device_used(engine))
-        blocks = engine.runner.blocks
+        blocks = engine.scheduler.kv
         if blocks is not None:  # paged KV: blocks by who reads them (shared: a prompt held once for several sessions)
             kv = Gauge("onecopy_kv_blocks", "KV blocks: shared (2+ sessions), private, cached (no session, evictable), "
                        "free", ["kind"], registry=r)
-            for kind in ("shared", "private", "cached", "free"):
+            for kind in ("shared", "private", "cached", "free"):  # host bookkeeping: readable after a failure too
                 kv.labels(kind).set_function(lambda kind=kind: 0 if engine.closed else blocks.usage()[kind])
 
     def observe(self, stream: "TokenStream", reused: int) -> None:

@@ -1,0 +1,232 @@
+"""The KV cache manager: which KV blocks each row holds, their reference counts, the free list and the
+prefix index, and the decisions about them (copy on write, eviction, block admission). Host only.
+
+A paged state FQN is one tensor of blocks on the device (`block_tensors.BlockTensors`); row r's
+positions [i * BS, (i + 1) * BS) live in block ``owned[r][i]``. A block is referenced by every row that
+holds it; rows that start with the same prompt share its blocks through the `prefix.PrefixIndex`, and
+a row about to write into a block another row (or the index) can read gets its own copy first (copy
+on write), so a row never writes what another can read. Blocks no row references but the index still
+publishes are evicted least recently used when blocks run out. Every decision that touches device
+memory is queued as a state operation (`plan.StateOps`) for the model runner to apply.
+Requests reserve the blocks for their prompt and all their new tokens when they are admitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import SessionCapacityError
+from .plan import ClearTable, CopyBlock, SetTable, StateOps, ZeroBlocks
+from .prefix import PrefixIndex
+from .request import Request
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """The paged cache's shape: ``blocks`` blocks of ``block_size`` positions, a row's table ``width``
+    blocks wide (max_seq_len / block_size), ``prefix_cache``: blocks shared across rows by prompt."""
+
+    blocks: int
+    width: int
+    block_size: int
+    prefix_cache: bool
+
+
+def common_blocks(a: Sequence[int], b: Sequence[int], block_size: int) -> int:
+    """Full blocks two prompts share from their start (b's last token excluded: it is always prefilled)."""
+    n = 0
+    while (n + 1) * block_size <= min(len(a), len(b) - 1) and a[n * block_size:(n + 1) * block_size] == \
+            b[n * block_size:(n + 1) * block_size]:
+        n += 1
+    return n
+
+
+class KVCacheManager:
+    """Blocks of one paged cache for ``rows`` rows (see the module doc). Callers hold the engine's lock."""
+
+    def __init__(self, spec: KVSpec, rows: int, max_seq_len: int, ops: StateOps) -> None:
+        self.blocks, self.width, self.block_size = spec.blocks, spec.width, spec.block_size
+        self.rows, self.max_seq_len, self._ops = rows, max_seq_len, ops
+        self.owned: list[list[int]] = [[] for _ in range(rows + 1)]  # each row's blocks, in table order
+        self.refs = [0] * spec.blocks
+        self._free = list(range(spec.blocks - 1, -1, -1))  # a stack: the lowest block is handed out first
+        self.index = PrefixIndex(spec.block_size) if spec.prefix_cache else None
+        self.copies = 0  # blocks copied on write
+        self._prefilling: list[Request] = []  # admitted fresh requests whose prompt is not all published yet
+
+    # -- capacity ----------------------------------------------------------------------------------
+    @property
+    def available(self) -> int:
+        """Blocks a row may still take: the free ones and the evictable cached ones."""
+        return len(self._free) + (self.index.evictable if self.index is not None else 0)
+
+    def blocks_for(self, positions: int) -> int:
+        return -(-positions // self.block_size)
+
+    def cost(self, row: int, start: int, upto: int) -> int:
+        """Blocks ``row`` must take to write positions [start, upto): new ones and copies on write."""
+        have = self.owned[row]
+        return max(0, self.blocks_for(upto) - len(have)) + sum(
+            1 for b in have[start // self.block_size:] if self.refs[b] > 1)
+
+    # -- a row's blocks --------------------------------------------------------------------------------
+    def share(self, row: int, blocks: Sequence[int]) -> None:
+        """Start empty ``row`` on ``blocks`` (a cached prefix): each is referenced once more."""
+        assert not self.owned[row], "share() starts a row"
+        for b in blocks:
+            self._reference(b)
+        self.owned[row] = list(blocks)
+        if blocks:
+            self._ops.add(SetTable(row, 0, tuple(blocks)))
+
+    def prepare(self, row: int, start: int, upto: int) -> None:
+        """Make positions [start, upto) of ``row`` writable: its own copy of any block there that another
+        row or the index can read, and new (zeroed) blocks past its last. SessionCapacityError (nothing
+        taken) when the blocks are not there."""
+        need = self.cost(row, start, upto)
+        if need > self.available:
+            raise SessionCapacityError(
+                f"the KV cache is full: writing positions {start}..{upto - 1} needs {need} more blocks of "
+                f"{self.block_size} positions and {self.available} are free or evictable (of {self.blocks}); "
+                "wait for other sessions to end, close idle sessions, or load the engine with more memory")
+        have, first = self.owned[row], start // self.block_size
+        changed, fresh = len(have), []
+        for i in range(first, len(have)):
+            b = have[i]
+            if self.refs[b] > 1:  # copy on write: the others keep the original
+                new = self._take()
+                self._ops.add(CopyBlock(b, new))
+                self.refs[b] -= 1
+                have[i] = new
+                self.copies += 1
+                changed = min(changed, i)
+            elif self.index is not None and b in self.index:
+                self._free.extend(self.index.remove(b))  # ours alone: it stops being a cached prefix
+        while len(have) < self.blocks_for(upto):
+            fresh.append(self._take())
+            have.append(fresh[-1])
+        if fresh:
+            self._ops.add(ZeroBlocks(tuple(fresh)))
+        if changed < len(have):
+            self._ops.add(SetTable(row, changed, tuple(have[changed:])))
+
+    def trim(self, row: int, positions: int) -> None:
+        """Drop the blocks of ``row`` past its first ``positions`` positions."""
+        keep = self.blocks_for(positions)
+        have = self.owned[row]
+        if len(have) > keep:
+            for b in have[keep:]:
+                self._unreference(b)
+            del have[keep:]
+            self._ops.add(ClearTable(row, keep))
+
+    def release(self, row: int) -> None:
+        """Drop every block of ``row`` (its session closed or reset)."""
+        self.trim(row, 0)
+
+    def publish(self, row: int, tokens: Sequence[int]) -> None:
+        """Offer the full blocks of ``row``, which holds ``tokens`` from position 0, to later prompts."""
+        if self.index is not None:
+            self.index.publish(self.owned[row], tokens)
+
+    def lookup(self, tokens: Sequence[int], touch: bool = True) -> list[int]:
+        """Cached blocks holding the longest block-aligned prefix of ``tokens`` (none without the cache)."""
+        return self.index.lookup(tokens, touch) if self.index is not None else []
+
+    # -- requests (the scheduler's block admission) ------------------------------------------------------
+    def span(self, req: Request) -> int:
+        """The end of the positions a request may write: its prompt and all but its last new token."""
+        end = req.start + len(req.prompt)
+        return max(end, min(end + req.params.max_new_tokens - 1, self.max_seq_len))
+
+    def check_request(self, req: Request) -> None:
+        """SessionCapacityError if the request could never fit, even in an empty cache."""
+        span = self.span(req)
+        if self.blocks_for(span) > self.blocks:
+            raise SessionCapacityError(
+                f"the request may write {span} positions ({self.blocks_for(span)} KV blocks of {self.block_size}) and "
+                f"the whole KV cache has {self.blocks} blocks; ask for fewer max_new_tokens or a shorter prompt, or "
+                "load the engine with more kv_blocks")
+
+    def _cached_prefix(self, req: Request, touch: bool) -> tuple[list[int], int]:
+        """The cached blocks a fresh request's prompt starts with and the tokens it takes from them (at
+        least one prompt token is left to prefill: its logits are the first sample)."""
+        if self.index is None or not req.owns_row:
+            return [], 0
+        found = self.lookup(req.prompt, touch)
+        cached = min(len(found) * self.block_size, len(req.prompt) - 1)
+        return found[:self.blocks_for(cached)], cached
+
+    def fits(self, req: Request) -> bool:
+        """Whether the blocks a request needs are free or evictable now (and no prompt being prefilled
+        holds more of its prefix than the cache does: then it waits to share that prompt's blocks)."""
+        if not req.owns_row:
+            return self.cost(req.row, req.start, self.span(req)) <= self.available
+        shared, cached = self._cached_prefix(req, touch=False)
+        if self.index is not None and any(common_blocks(p.prompt, req.prompt, self.block_size) > len(shared)
+                                          for p in self._prefilling):
+            return False
+        need = self.blocks_for(self.span(req)) - len(shared) + (1 if cached % self.block_size else 0)
+        return need <= self.available - sum(1 for b in shared if self.refs[b] == 0)
+
+    def place(self, req: Request) -> None:
+        """Give an admitted request its blocks: a fresh row starts on the cached prefix of its prompt
+        (sets ``req.cached``), then every position it may write is made its own."""
+        if req.owns_row:
+            shared, req.cached = self._cached_prefix(req, touch=True)
+            self.share(req.row, shared)
+            if self.index is not None:
+                self._prefilling.append(req)
+        self.prepare(req.row, req.start + req.cached, self.span(req))
+
+    def prefilled(self, req: Request) -> None:
+        """A request's prompt is in its row (the step is queued): later prompts may start on its blocks."""
+        if req in self._prefilling:
+            self._prefilling.remove(req)
+        if self.index is not None and req.base is not None:
+            self.publish(req.row, req.base + req.prompt)
+
+    def finished(self, req: Request) -> None:
+        """An admitted request ended: publish what its row holds (the conversation so far, for its next
+        turn) and drop the blocks it reserved and did not write."""
+        if req in self._prefilling:
+            self._prefilling.remove(req)
+        held = req.held
+        if held is not None:
+            self.publish(req.row, held)
+        self.trim(req.row, req.end)
+
+    # -- accounting ---------------------------------------------------------------------------------
+    def usage(self) -> dict[str, int]:
+        """Blocks by kind: shared (referenced by 2+ rows), private (by one), cached (by none, evictable), free."""
+        refs = self.refs
+        return {"shared": sum(1 for r in refs if r > 1), "private": sum(1 for r in refs if r == 1),
+                "cached": self.index.evictable if self.index is not None else 0, "free": len(self._free),
+                "references": sum(refs)}
+
+    def free_list(self) -> list[int]:
+        """The free blocks, sorted (each exactly once)."""
+        return sorted(self._free)
+
+    # -- internals -----------------------------------------------------------------------------------
+    def _take(self) -> int:
+        if not self._free:
+            evicted = self.index.evict_lru() if self.index is not None else None
+            assert evicted is not None, "callers check `available` first"
+            block, freed = evicted
+            self._free.extend(freed)
+        else:
+            block = self._free.pop()
+        self.refs[block] = 1
+        return block
+
+    def _reference(self, block: int) -> None:
+        if self.refs[block] == 0 and self.index is not None:
+            self.index.referenced(block)
+        self.refs[block] += 1
+
+    def _unreference(self, block: int) -> None:
+        self.refs[block] -= 1
+        if self.refs[block] == 0 and not (self.index is not None and self.index.unreferenced(block)):
+            self._free.append(block)
