@@ -21,7 +21,7 @@ from ..models.base import MethodDef
 from ..models.packed import GROUPS
 from ..models.quantize import DEFAULT_GROUP, QUANTIZE_MODES, pack_gguf, packed_layers, quantize_model
 from ..models.source import ModelSource, resolve_source
-from .toolchain import pick_cxx
+from ..toolchain import pick_cxx
 
 
 
