@@ -88,7 +88,7 @@ def run_onecopy(engine, prompt: list[int], new_tokens: int) -> tuple[float, floa
 
 
 def weight_layouts(manifest) -> list[str]:
-    """The packed layouts a bundle's projections use (`models.packed.LAYOUTS`), or ["float"]: what a benchmark's
+    """The packed layouts a bundle's projections use (`layouts.LAYOUTS`), or ["float"]: what a benchmark's
     JSON records of the weights it ran."""
     return sorted({p["layout"] for p in manifest.packed.values()}) or ["float"]
 

@@ -16,9 +16,9 @@ from ..bundle import (FORMAT_VERSION, MANIFEST, TOKENIZER, WEIGHTS, Manifest, Me
                       sha256, sha256_many, tensor_view)
 from ..errors import ExportError
 from ..kernels.native import LIBRARY as NATIVE_LIBRARY
+from ..layouts import GROUPS
 from ..models import kv_quant
 from ..models.base import MethodDef
-from ..models.packed import GROUPS
 from ..models.quantize import DEFAULT_GROUP, QUANTIZE_MODES, pack_gguf, packed_layers, quantize_model
 from ..models.source import ModelSource, resolve_source
 from ..toolchain import pick_cxx

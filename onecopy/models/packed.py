@@ -1,9 +1,10 @@
 """Quantized weights kept packed in the model: the operand a layer hands its matmul, and the layers that hold one.
 
 A packed weight [N, K] is ``qweight`` (int8/uint8 values, two 4-bit values per byte for the nibble
-layouts), ``scales`` and, for the affine layouts, ``mins`` (float32 [N, K / group]); `LAYOUTS` lists
-the layouts and their arithmetic (the GGUF repack, `gguf_repack`, and the export-time
-quantizer, `quantize`, both produce them). One layout quantizes the activations too: ``f8r`` holds
+layouts), ``scales`` and, for the affine layouts, ``mins`` (float32 [N, K / group]); `layouts.LAYOUTS`
+lists the layouts and their arithmetic, `layouts.check_packed` their shapes (a leaf module: the bundle
+checks a manifest with it without importing this one); the GGUF repack, `gguf_repack`, and the
+export-time quantizer, `quantize`, both produce them. One layout quantizes the activations too: ``f8r`` holds
 float8 e4m3 values with one float32 scale per output feature (its group is the whole row, K), and
 its layers multiply on the FP8 tensor cores (`fp8_linear`): each row of x is scaled into e4m3 on the
 fly, so at a wide batch the GEMM runs at twice the bf16 rate (Hopper, Ada). A layer that holds one
@@ -29,17 +30,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
+from ..layouts import LAYOUTS, PACKED_PARTS, check_packed
 
-# layout -> (values per byte, affine): value = s * q (q8s), s * (q - 8) (q4z), s * q + m (q4a, q8a)
-# f8r: value = s * q with q float8 e4m3 and one s per output feature (a group of K)
-LAYOUTS: dict[str, tuple[int, bool]] = {"q8s": (1, False), "q4z": (2, False), "q4a": (2, True), "q8a": (1, True),
-                                        "f8r": (1, False)}
 ACTIVATION_QUANTIZED = frozenset({"f8r"})  # layouts multiplied by `fp8_linear`, not read by the Triton kernels
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn value
 # Each kernel-read layout's number in the kernels' LAYOUT constexpr (0 is a float weight).
 LAYOUT_IDS = {"q8s": 1, "q4z": 2, "q4a": 3, "q8a": 4}
-GROUPS = (16, 32, 64, 128)  # values per scale the kernels read (a power of two, at most one K tile)
-PACKED_PARTS = ("qweight", "scales", "mins")  # the buffers a packed layer holds, in this order
 
 
 class Packed(NamedTuple):
@@ -186,26 +182,6 @@ def flatten(weights: Sequence[Weight | None]) -> tuple[tuple[torch.Tensor, ...],
         return out
 
     return flat, unflatten
-
-
-def check_packed(layout: str, group: int, shape: tuple[int, int], qweight: torch.Tensor, scales: torch.Tensor,
-                 mins: torch.Tensor | None) -> None:
-    """Raise ValueError unless the tensors are a consistent ``layout`` weight of float shape ``shape``."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown weight layout {layout!r}; this onecopy reads {', '.join(LAYOUTS)}")
-    per_byte, affine = LAYOUTS[layout]
-    n, k = shape
-    want_q = {"q8s": torch.int8, "f8r": torch.float8_e4m3fn}.get(layout, torch.uint8)
-    ok = ((group == k if layout == "f8r" else group in GROUPS) and k % group == 0 and k % per_byte == 0
-          and qweight.dtype == want_q
-          and tuple(qweight.shape) == (n, k // per_byte) and scales.dtype == torch.float32
-          and tuple(scales.shape) == (n, k // group) and (mins is not None) == affine
-          and (mins is None or (mins.dtype == torch.float32 and mins.shape == scales.shape)))
-    if not ok:
-        raise ValueError(f"a {layout} weight of shape {list(shape)}, group {group} needs qweight {want_q} "
-                         f"{[n, k // per_byte]} and float32 scales{' and mins' if affine else ''} {[n, k // group]}; "
-                         f"got qweight {qweight.dtype} {list(qweight.shape)}, scales {scales.dtype} {list(scales.shape)}"
-                         f"{'' if mins is None else f', mins {list(mins.shape)}'} (groups: {GROUPS}; f8r: one per row, K)")
 
 
 class _PackedLayer(nn.Module):
