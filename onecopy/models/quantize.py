@@ -19,7 +19,8 @@ from torch import nn
 
 from ..errors import ExportError
 from ..layouts import GROUPS, LAYOUTS
-from .packed import FP8_MAX, Packed, PackedEmbedding, PackedLinear
+from .linear import PackedLinear
+from .packed import FP8_MAX, Packed, PackedEmbedding
 
 QUANTIZE_MODES = {"int8": "q8s", "int4": "q4a", "fp8": "f8r"}  # --quantize -> layout
 DEFAULT_GROUP = 128
