@@ -118,7 +118,7 @@ def batched_step_ms(engine, sessions: list, steps: int = 100, warmup: int = 5) -
 def bench_decode(source: str, bundle: Path, *, prompt_lens: list[int], max_seq_len: int, new_tokens: int,
                  peers: list[str], out_dir: Path, tag: str, command: str, quantize: str | None = None,
                  group_size: int = 128) -> dict[str, Any]:
-    from .. import export
+    from ..export.exporter import export
     from ..bundle import read_manifest
     from ..models.packed import as_float_weights
     from ..runtime.engine import Engine
