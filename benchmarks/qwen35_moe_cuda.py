@@ -31,26 +31,26 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import onecopy  # noqa: E402
-from onecopy.models import qwen3_5  # noqa: E402
 from onecopy.models.presets import PRESETS, random_hf_state_dict  # noqa: E402
+from onecopy.models.qwen3_5_config import FULL, LINEAR, Qwen35Config  # noqa: E402
 from onecopy.models.qwen3_5_convert import hf_config_from_qwen3_5  # noqa: E402
 from onecopy.models.source import ModelSource, byte_tokenizer_json  # noqa: E402
 
 
-def config(layers: int, tiny: bool) -> qwen3_5.Qwen35Config:
-    kinds = [qwen3_5.FULL if (i + 1) % 4 == 0 or i == layers - 1 else qwen3_5.LINEAR for i in range(layers)]
+def config(layers: int, tiny: bool) -> Qwen35Config:
+    kinds = [FULL if (i + 1) % 4 == 0 or i == layers - 1 else LINEAR for i in range(layers)]
     if tiny:  # a dry run on CPU
-        return qwen3_5.Qwen35Config(**{**PRESETS["tiny-qwen3.5-moe"].config.to_dict(), "n_layers": layers,
-                                       "layer_types": kinds})
-    return qwen3_5.Qwen35Config(vocab_size=248320, dim=2048, n_layers=layers, n_heads=16, n_kv_heads=2, head_dim=256,
-                                intermediate_size=0, layer_types=kinds, linear_conv_kernel=4, linear_n_k_heads=16,
-                                linear_n_v_heads=32, linear_k_head_dim=128, linear_v_head_dim=128,
-                                rope_theta=10_000_000.0, partial_rotary_factor=0.25, max_position_embeddings=262144,
-                                num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
-                                shared_expert_intermediate_size=512)
+        return Qwen35Config(**{**PRESETS["tiny-qwen3.5-moe"].config.to_dict(), "n_layers": layers,
+                               "layer_types": kinds})
+    return Qwen35Config(vocab_size=248320, dim=2048, n_layers=layers, n_heads=16, n_kv_heads=2, head_dim=256,
+                        intermediate_size=0, layer_types=kinds, linear_conv_kernel=4, linear_n_k_heads=16,
+                        linear_n_v_heads=32, linear_k_head_dim=128, linear_v_head_dim=128,
+                        rope_theta=10_000_000.0, partial_rotary_factor=0.25, max_position_embeddings=262144,
+                        num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                        shared_expert_intermediate_size=512)
 
 
-def step_bytes(cfg: qwen3_5.Qwen35Config, weights: dict, state: dict, context: int) -> dict:
+def step_bytes(cfg: Qwen35Config, weights: dict, state: dict, context: int) -> dict:
     """What one batch-1 decode step must read."""
     nb = {k: v.numel() * v.element_size() for k, v in weights.items()}
     experts = {k: v for k, v in nb.items() if ".experts." in k}

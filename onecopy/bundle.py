@@ -22,7 +22,7 @@ import torch
 
 from .errors import (BundleNotFoundError, CoverageError, DeviceMismatchError, ManifestError, TorchVersionMismatchError,
                      UnknownWeightLayoutError, UnsupportedFormatVersionError, WeightsCorruptError, WeightSpecError)
-from .models.packed import LAYOUTS, PACKED_PARTS, check_packed
+from .layouts import LAYOUTS, PACKED_PARTS, check_packed
 
 FORMAT = "onecopy-bundle"
 FORMAT_VERSION = 3  # 3: KV state may be paged (blocks + a block table); 2: state is a pool with a row per session
@@ -148,7 +148,7 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     kv_block_size: int | None = None  # positions per KV block when state is paged
     # layers whose weight is packed (quantized): name -> {layout, group, shape [N, K], source}; their
-    # tensors are the weights <name>.qweight, .scales and (affine layouts) .mins (models.packed)
+    # tensors are the weights <name>.qweight, .scales and (affine layouts) .mins (`layouts`)
     packed: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property

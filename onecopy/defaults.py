@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -29,9 +28,10 @@ def default_bundle(device: str = "cpu", progress: bool = True, model: str = EMBE
     """Path of a model's bundle for ``device`` in the cache, exporting it on first use.
 
     ``model`` is any export source: the embedded names, a preset, a .gguf file or a checkpoint dir
-    (a path is keyed by its absolute location).
+    (a path is keyed by its absolute location). A build says so first, on stderr with ``progress`` (then
+    the export's bar), else at INFO in the log (`export.exporter.progress_note`).
     """
-    from .export.exporter import export
+    from .export.exporter import export, progress_note
 
     max_seq_len = WHISPER_MAX_SEQ_LEN if model == EMBEDDED_WHISPER else DEFAULT_MAX_SEQ_LEN
     torch_tag = torch.__version__.split("+")[0]
@@ -47,6 +47,5 @@ def default_bundle(device: str = "cpu", progress: bool = True, model: str = EMBE
     except BundleError:
         pass  # absent or damaged: (re)build it
     path.parent.mkdir(parents=True, exist_ok=True)
-    if progress:
-        print(f"building the bundle of {model} into {path}; this happens once", file=sys.stderr)
+    progress_note(f"building the bundle of {model} into {path}; this happens once", progress)
     return export(model, path, max_seq_len=max_seq_len, device=device, overwrite=True, progress=progress)

@@ -17,7 +17,8 @@ import torch
 
 import onecopy
 from onecopy.errors import ExportError, ManifestError, UnknownWeightLayoutError
-from onecopy.models.packed import PackedEmbedding, PackedLinear, as_float_weights, dequantize, packed_bytes
+from onecopy.models.linear import PackedLinear
+from onecopy.models.packed import PackedEmbedding, as_float_weights, dequantize, packed_bytes
 from onecopy.models.quantize import pack_gguf, quantize_model, quantize_weight
 from onecopy.models.source import resolve_source
 

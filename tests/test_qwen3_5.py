@@ -12,6 +12,7 @@ import torch
 
 import onecopy
 from onecopy.models import qwen3_5
+from onecopy.models.qwen3_5_config import LINEAR
 from onecopy.models.qwen3_5_convert import hf_config_from_qwen3_5
 from onecopy.models.source import ModelSource, preset_source, resolve_source
 
@@ -79,7 +80,7 @@ def test_eager_matches_transformers(q35_source, tmp_path):
         state = dict(zip(model.state_fqns(), model._eager_state))
         cache = out.past_key_values
         for i, kind in enumerate(src.config.layer_types):
-            if kind == qwen3_5.LINEAR:
+            if kind == LINEAR:
                 conv, rec = state[f"layers.{i}.linear_attn.conv_state"], state[f"layers.{i}.linear_attn.recurrent_state"]
                 assert rec.dtype == torch.float32 and rec.shape == cache.get_recurrent_state(i).shape
                 torch.testing.assert_close(conv, cache.get_conv_state(i), atol=1e-5, rtol=0)

@@ -6,7 +6,7 @@ import zipfile
 import pytest
 
 from onecopy.errors import ToolchainError
-from onecopy.export.toolchain import check_package_loadable, elf_needed, links_libstdcxx_dynamically, pick_cxx
+from onecopy.toolchain import check_package_loadable, elf_needed, links_libstdcxx_dynamically, pick_cxx
 
 SRC = '#include <regex>\nbool f(const char* s) { return std::regex_match(s, std::regex("a+")); }\n'
 

@@ -88,7 +88,7 @@ def run_onecopy(engine, prompt: list[int], new_tokens: int) -> tuple[float, floa
 
 
 def weight_layouts(manifest) -> list[str]:
-    """The packed layouts a bundle's projections use (`models.packed.LAYOUTS`), or ["float"]: what a benchmark's
+    """The packed layouts a bundle's projections use (`layouts.LAYOUTS`), or ["float"]: what a benchmark's
     JSON records of the weights it ran."""
     return sorted({p["layout"] for p in manifest.packed.values()}) or ["float"]
 
@@ -118,7 +118,7 @@ def batched_step_ms(engine, sessions: list, steps: int = 100, warmup: int = 5) -
 def bench_decode(source: str, bundle: Path, *, prompt_lens: list[int], max_seq_len: int, new_tokens: int,
                  peers: list[str], out_dir: Path, tag: str, command: str, quantize: str | None = None,
                  group_size: int = 128) -> dict[str, Any]:
-    from .. import export
+    from ..export.exporter import export
     from ..bundle import read_manifest
     from ..models.packed import as_float_weights
     from ..runtime.engine import Engine

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
@@ -16,14 +17,14 @@ from ..bundle import (FORMAT_VERSION, MANIFEST, TOKENIZER, WEIGHTS, Manifest, Me
                       sha256, sha256_many, tensor_view)
 from ..errors import ExportError
 from ..kernels.native import LIBRARY as NATIVE_LIBRARY
+from ..layouts import GROUPS
 from ..models import kv_quant
 from ..models.base import MethodDef
-from ..models.packed import GROUPS
 from ..models.quantize import DEFAULT_GROUP, QUANTIZE_MODES, pack_gguf, packed_layers, quantize_model
 from ..models.source import ModelSource, resolve_source
-from .toolchain import pick_cxx
+from ..toolchain import pick_cxx
 
-
+log = logging.getLogger(__name__)
 
 DEFAULT_KV_BLOCK = 16  # positions per KV block: vLLM's default; the prefix cache shares whole blocks
 
@@ -31,6 +32,16 @@ DEFAULT_KV_BLOCK = 16  # positions per KV block: vLLM's default; the prefix cach
 def default_dtype(device: str) -> torch.dtype:
     """fp32 on CPU (bf16 matmuls are slow there), bf16 on CUDA."""
     return torch.float32 if device == "cpu" else torch.bfloat16
+
+
+def progress_note(message: str, progress: bool) -> None:
+    """One line of an export's progress: on stderr with ``progress`` (`tqdm.write`, so that it never
+    lands inside a bar), else logged at INFO (`logging.getLogger(__name__)`)."""
+    if progress:
+        from tqdm import tqdm
+        tqdm.write(message, file=sys.stderr)
+    else:
+        log.info(message)
 
 
 class _Progress:
@@ -85,6 +96,8 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
     ``native_kernels``: a CUDA export decodes an 8-bit cache with the CUDA C++ kernel where it serves the
     shapes (`kernels.native`, built here with nvcc); the manifest lists it under each method's
     ``native_ops`` and the runtime loads it first. False keeps the Triton kernel (the comparison).
+    ``progress``: a bar of the export's steps on stderr, with its notes (the source being read, GGUF layers
+    kept float) above it; without it the notes are logged at INFO (`progress_note`).
     """
     out = Path(out_dir)
     if out.exists() and not overwrite:
@@ -118,8 +131,7 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        if progress:
-            print(f"reading {source if not isinstance(source, ModelSource) else source.name} ...", file=sys.stderr)
+        progress_note(f"reading {source if not isinstance(source, ModelSource) else source.name} ...", progress)
         src = resolve_source(source)
         bound = src.config.max_target_positions if src.family == "whisper" else src.config.max_position_embeddings
         if max_seq_len is None:
@@ -206,9 +218,9 @@ def _pack(model: torch.nn.Module, src: ModelSource, dequantize: bool, quantize: 
     if not src.packed or dequantize:
         return {}
     sources, kept_float = pack_gguf(model, src.packed)
-    if kept_float and progress:
-        print(f"kept float (their GGUF parts differ in type): {', '.join(kept_float[:4])}"
-              f"{' ...' if len(kept_float) > 4 else ''}", file=sys.stderr)
+    if kept_float:
+        progress_note(f"kept float (their GGUF parts differ in type): {', '.join(kept_float[:4])}"
+                      f"{' ...' if len(kept_float) > 4 else ''}", progress)
     return sources
 
 

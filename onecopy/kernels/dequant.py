@@ -1,7 +1,7 @@
 """Dequantize a packed weight on the device: what a prefill chunk's cuBLAS GEMM reads (CUDA).
 
 A prefill chunk multiplies many rows by each weight, so it runs cuBLAS on the weight dequantized to
-the activations' dtype, one layer at a time (`models.packed.matmul`). One Triton kernel writes that
+the activations' dtype, one layer at a time (`models.linear.matmul`). One Triton kernel writes that
 copy at close to the copy bandwidth: each program dequantizes a [BLOCK_N, BLOCK_K] tile in fp32 as
 `models.packed.dequantize` does (s * q, + m for the affine layouts) and rounds it once.
 The op is defined in `ops`; the kernel shares its tile dequantization with the small linear's

@@ -62,7 +62,7 @@ def linear_kernel(X, W, S, MN, OUT, R, NW, SS, SS_OUT, M, N_OUT, K, P_IN, eps, s
             rows = offs_n + half * N_OUT
             if LAYOUT == 0:  # a float weight
                 w = tl.load(W + rows[:, None] * stride_wn + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-            else:  # packed (models.packed.LAYOUTS): the tile dequantized in fp32, rounded once to x's dtype
+            else:  # packed (layouts.LAYOUTS): the tile dequantized in fp32, rounded once to x's dtype
                 w = dequantized_tile(W, S, MN, rows, nmask, k, K, stride_wn, stride_sn, dtype, BLOCK_N, BLOCK_K, GROUP,
                                      LAYOUT)
             if half == 0:

@@ -1,6 +1,6 @@
 """The model side: families, their shared layers, checkpoint conversion, presets and model sources.
 
-- models: `llama` (Llama/Qwen2/Qwen3/SmolLM), `qwen3_5` with `qwen3_5_deltanet` (hybrid
+- models: `llama` (Llama/Qwen2/Qwen3/SmolLM), `qwen3_5` with `qwen3_5_deltanet` and `qwen3_5_config` (hybrid
   DeltaNet/attention, dense and MoE), `whisper`; `base` (what every family gives the exporter);
 - shared layers: `layers` (RMSNorm, RoPE, SwiGLU MLP), `attention` (attention over the state pool),
   `projections` (the fused CUDA decode's projections), `invariant` (the batch-invariant decode);

@@ -42,13 +42,14 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from .. import layouts
 from ..errors import InputError
 from . import packed as pk
 
 Q = GGMLQuantizationType
-LAYOUTS = tuple(pk.LAYOUTS)
-_NIBBLES = tuple(k for k, (per_byte, _) in pk.LAYOUTS.items() if per_byte == 2)  # two values per byte
-_AFFINE = tuple(k for k, (_, affine) in pk.LAYOUTS.items() if affine)  # s * q + m
+LAYOUTS = tuple(layouts.LAYOUTS)
+_NIBBLES = tuple(k for k, (per_byte, _) in layouts.LAYOUTS.items() if per_byte == 2)  # two values per byte
+_AFFINE = tuple(k for k, (_, affine) in layouts.LAYOUTS.items() if affine)  # s * q + m
 
 
 @dataclass

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .packed import Weight, matmul
+from .linear import matmul
+from .packed import Weight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -113,7 +114,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim
 
 def swiglu(x: torch.Tensor, w13: Weight, w2: Weight) -> torch.Tensor:
     """``w2 @ (silu(gate) * up)`` with gate and up the halves of ``x @ w13.T`` (w13 [2I, dim], w2 [dim, I]),
-    float or packed (`packed.matmul`).
+    float or packed (`linear.matmul`).
 
     A function of its weights, so that a ``torch.cond`` branch can take them as operands (`projections`).
     """

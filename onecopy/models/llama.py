@@ -23,7 +23,8 @@ from . import invariant
 from .attention import KVCache, Step, attend_pooled
 from .base import MethodDef, PooledModel, as_method, pooled_methods
 from .layers import FeedForward, RMSNorm, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
-from .packed import flatten, kernel_linear, matmul
+from .linear import matmul
+from .packed import flatten, kernel_linear
 from .projections import by_rows, fp8_rows, fused_decode, kernel_rows, linear, sum_of_squares
 
 

@@ -1,22 +1,22 @@
 """Quantized weights kept packed in the model: the operand a layer hands its matmul, and the layers that hold one.
 
 A packed weight [N, K] is ``qweight`` (int8/uint8 values, two 4-bit values per byte for the nibble
-layouts), ``scales`` and, for the affine layouts, ``mins`` (float32 [N, K / group]); `LAYOUTS` lists
-the layouts and their arithmetic (the GGUF repack, `gguf_repack`, and the export-time
-quantizer, `quantize`, both produce them). One layout quantizes the activations too: ``f8r`` holds
+layouts), ``scales`` and, for the affine layouts, ``mins`` (float32 [N, K / group]); `layouts.LAYOUTS`
+lists the layouts and their arithmetic, `layouts.check_packed` their shapes (a leaf module: the bundle
+checks a manifest with it without importing this one); the GGUF repack, `gguf_repack`, and the
+export-time quantizer, `quantize`, both produce them. One layout quantizes the activations too: ``f8r`` holds
 float8 e4m3 values with one float32 scale per output feature (its group is the whole row, K), and
 its layers multiply on the FP8 tensor cores (`fp8_linear`): each row of x is scaled into e4m3 on the
 fly, so at a wide batch the GEMM runs at twice the bf16 rate (Hopper, Ada). A layer that holds one
-(`PackedLinear`, `PackedEmbedding`) keeps the tensors as buffers, so that export lifts them as
-constants under FQNs of their own (``<module>.qweight``, ``.scales``, ``.mins``) and the weight
-store holds them at their packed size.
+(`PackedLayer`: `linear.PackedLinear`, `PackedEmbedding`) keeps the tensors as buffers, so that export
+lifts them as constants under FQNs of their own (``<module>.qweight``, ``.scales``, ``.mins``) and the
+weight store holds them at their packed size.
 
-`matmul` is how every projection reads its weight, float or packed: a packed one is dequantized in
-the graph and multiplied (CPU; CUDA prefill, where one kernel writes the copy, `kernels.dequantize`);
-a CUDA decode step, and a prefill's LM head on its one row, instead read it packed inside the
-small-linear kernel (`projections`, `kernels.small_linear`), which dequantizes each tile as it goes.
-An ``f8r`` weight takes `fp8_linear` everywhere (CPU and CUDA, any number of rows); it has no
-batch-invariant kernel, so its bundles export no batch-invariant decode (`activation_quantized`).
+How a projection multiplies by its weight, float or packed, is `linear.matmul`: it picks among
+`dequantize`, `fp8_linear` and `kernel_linear` here and `invariant.linear_rows` (it lives apart from
+this module because `invariant` imports this one). An ``f8r`` weight takes `fp8_linear`
+everywhere (CPU and CUDA, any number of rows); it has no batch-invariant kernel, so its bundles export
+no batch-invariant decode (`activation_quantized`).
 """
 
 from __future__ import annotations
@@ -25,25 +25,19 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
+from ..layouts import LAYOUTS, PACKED_PARTS, check_packed
 
-# layout -> (values per byte, affine): value = s * q (q8s), s * (q - 8) (q4z), s * q + m (q4a, q8a)
-# f8r: value = s * q with q float8 e4m3 and one s per output feature (a group of K)
-LAYOUTS: dict[str, tuple[int, bool]] = {"q8s": (1, False), "q4z": (2, False), "q4a": (2, True), "q8a": (1, True),
-                                        "f8r": (1, False)}
 ACTIVATION_QUANTIZED = frozenset({"f8r"})  # layouts multiplied by `fp8_linear`, not read by the Triton kernels
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn value
 # Each kernel-read layout's number in the kernels' LAYOUT constexpr (0 is a float weight).
 LAYOUT_IDS = {"q8s": 1, "q4z": 2, "q4a": 3, "q8a": 4}
-GROUPS = (16, 32, 64, 128)  # values per scale the kernels read (a power of two, at most one K tile)
-PACKED_PARTS = ("qweight", "scales", "mins")  # the buffers a packed layer holds, in this order
 
 
 class Packed(NamedTuple):
-    """A packed weight as a layer hands it to `matmul` (tensors on the model's device). A named tuple:
+    """A packed weight as a layer hands it to `linear.matmul` (tensors on the model's device). A named tuple:
     traced code (export, ``torch.cond`` branches) builds and reads it like any tuple."""
 
     layout: str
@@ -127,30 +121,7 @@ def activation_quantized(w: Weight | None) -> bool:
 def has_activation_quantized(module: nn.Module) -> bool:
     """True when any layer of ``module`` holds an activation-quantized (``f8r``) weight: its decode has no
     batch-invariant form (a deterministic engine runs it one row per call, `runtime.step`)."""
-    return any(isinstance(m, _PackedLayer) and m.layout in ACTIVATION_QUANTIZED for m in module.modules())
-
-
-def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, bias)`` for a float or a packed weight. A packed one is dequantized in the graph
-    (in x's dtype) for cuBLAS, on CUDA by one kernel (`kernels.dequantize`), except where few rows read
-    it: a batch-invariant CUDA decode (`invariant.linear_rows`) and, on CUDA, any product of a fixed
-    number of at most `kernels.SMALL_LINEAR_ROWS` rows (a prefill's LM head on its last position), which
-    read it packed in the small-linear kernel rather than write and read the whole matrix in x's dtype."""
-    if not isinstance(w, Packed):
-        return F.linear(x, w, bias)
-    if w.layout in ACTIVATION_QUANTIZED:
-        return fp8_linear(x, w, bias)
-    from . import invariant  # here, not at the top: invariant reads weights through `kernel_linear`
-
-    if invariant.active():
-        return invariant.linear_rows(x, w, bias)
-    if not (x.is_cuda and kernels.available()):
-        return F.linear(x, dequantize(w, x.dtype), bias)
-    rows = x.reshape(-1, x.shape[-1])
-    if isinstance(rows.shape[0], int) and rows.shape[0] <= kernels.SMALL_LINEAR_ROWS:
-        y = kernel_linear(rows, w)[0].reshape(*x.shape[:-1], w.out_features)
-        return y if bias is None else y + bias
-    return F.linear(x, kernels.dequantize(w.qweight, w.scales, w.mins, LAYOUT_IDS[w.layout], w.group, x.dtype), bias)
+    return any(isinstance(m, PackedLayer) and m.layout in ACTIVATION_QUANTIZED for m in module.modules())
 
 
 def kernel_linear(x: torch.Tensor, w: Weight, **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,27 +159,9 @@ def flatten(weights: Sequence[Weight | None]) -> tuple[tuple[torch.Tensor, ...],
     return flat, unflatten
 
 
-def check_packed(layout: str, group: int, shape: tuple[int, int], qweight: torch.Tensor, scales: torch.Tensor,
-                 mins: torch.Tensor | None) -> None:
-    """Raise ValueError unless the tensors are a consistent ``layout`` weight of float shape ``shape``."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown weight layout {layout!r}; this onecopy reads {', '.join(LAYOUTS)}")
-    per_byte, affine = LAYOUTS[layout]
-    n, k = shape
-    want_q = {"q8s": torch.int8, "f8r": torch.float8_e4m3fn}.get(layout, torch.uint8)
-    ok = ((group == k if layout == "f8r" else group in GROUPS) and k % group == 0 and k % per_byte == 0
-          and qweight.dtype == want_q
-          and tuple(qweight.shape) == (n, k // per_byte) and scales.dtype == torch.float32
-          and tuple(scales.shape) == (n, k // group) and (mins is not None) == affine
-          and (mins is None or (mins.dtype == torch.float32 and mins.shape == scales.shape)))
-    if not ok:
-        raise ValueError(f"a {layout} weight of shape {list(shape)}, group {group} needs qweight {want_q} "
-                         f"{[n, k // per_byte]} and float32 scales{' and mins' if affine else ''} {[n, k // group]}; "
-                         f"got qweight {qweight.dtype} {list(qweight.shape)}, scales {scales.dtype} {list(scales.shape)}"
-                         f"{'' if mins is None else f', mins {list(mins.shape)}'} (groups: {GROUPS}; f8r: one per row, K)")
+class PackedLayer(nn.Module):
+    """A layer whose weight stays packed, held as buffers (the base of `linear.PackedLinear` and `PackedEmbedding`)."""
 
-
-class _PackedLayer(nn.Module):
     def __init__(self, w: Packed) -> None:
         super().__init__()
         check_packed(w.layout, w.group, w.shape, w.qweight, w.scales, w.mins)
@@ -227,18 +180,7 @@ class _PackedLayer(nn.Module):
         return f"{k} -> {n}, {self.layout}, group {self.group}"
 
 
-class PackedLinear(_PackedLayer):
-    """An ``nn.Linear`` whose weight stays packed (its bias, if any, stays a float parameter)."""
-
-    def __init__(self, w: Packed, bias: torch.Tensor | None = None) -> None:
-        super().__init__(w)
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul(x, self.weight, self.bias)
-
-
-class PackedEmbedding(_PackedLayer):
+class PackedEmbedding(PackedLayer):
     """An ``nn.Embedding`` whose table stays packed: only the looked-up rows are dequantized. ``dtype``:
     the model's (the rows' dtype)."""
 

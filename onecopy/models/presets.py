@@ -9,7 +9,7 @@ import torch
 
 from .families import family
 from .llama import LlamaConfig
-from .qwen3_5 import FULL, LINEAR, Qwen35Config
+from .qwen3_5_config import FULL, LINEAR, Qwen35Config
 
 
 @dataclass

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from .. import kernels
 from . import invariant
 from .layers import rms_norm
-from .packed import Packed, Weight, activation_quantized, flatten, kernel_linear, matmul
+from .linear import matmul
+from .packed import Packed, Weight, activation_quantized, flatten, kernel_linear
 
 
 def fused_decode(x: torch.Tensor, decode: bool) -> bool:

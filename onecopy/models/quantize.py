@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 from ..errors import ExportError
-from .packed import FP8_MAX, GROUPS, LAYOUTS, Packed, PackedEmbedding, PackedLinear
+from ..layouts import GROUPS, LAYOUTS
+from .linear import PackedLinear
+from .packed import FP8_MAX, Packed, PackedEmbedding
 
 QUANTIZE_MODES = {"int8": "q8s", "int4": "q4a", "fp8": "f8r"}  # --quantize -> layout
 DEFAULT_GROUP = 128

@@ -16,7 +16,7 @@ import torch
 
 from ..errors import ModelSourceError
 from .hf_checkpoint import CheckpointTensors, read_safetensors
-from .qwen3_5 import FULL, LINEAR, Qwen35Config
+from .qwen3_5_config import FULL, LINEAR, Qwen35Config
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 

@@ -15,17 +15,13 @@ the row holds. The math follows transformers' ``modeling_qwen3_5``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import layers
 from .attention import Step
-
-if TYPE_CHECKING:
-    from .qwen3_5 import Qwen35Config
+from .qwen3_5_config import Qwen35Config
 
 
 class GatedRMSNorm(layers.RMSNorm):

@@ -15,7 +15,7 @@ from torch import nn
 
 from .layers import rope_inv_freq
 from .llama import LlamaConfig, Transformer
-from .qwen3_5 import LINEAR, Qwen35Config
+from .qwen3_5_config import LINEAR, Qwen35Config
 
 
 class Draws:

@@ -18,7 +18,7 @@ from .ct2_whisper import read_ct2_dir
 from .gguf_file import read_gguf, tokenizer_json_from_gguf
 from .llama import LlamaConfig
 from .presets import PRESETS, random_hf_state_dict
-from .qwen3_5 import Qwen35Config
+from .qwen3_5_config import Qwen35Config
 from .whisper import WhisperConfig
 
 EMBEDDED_DEFAULT = "smollm2-135m-instruct"

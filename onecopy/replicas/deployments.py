@@ -31,7 +31,7 @@ from .affinity import ConversationAffinity, chat_messages
 from .board import ReplicaBoard, ReplicaReport
 from .router import AVOID, LOAD, PREFER, rank_replicas
 
-log = logging.getLogger("onecopy.replicas")
+log = logging.getLogger(__name__)
 
 REPLICA_HEADER = "x-onecopy-replica"
 _ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion",

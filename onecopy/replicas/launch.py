@@ -18,7 +18,7 @@ from ray.serve.config import RequestRouterConfig
 from ..errors import InputError
 from .deployments import EngineReplica, Ingress, IngressSpec, ReplicaSpec
 
-log = logging.getLogger("onecopy.replicas")
+log = logging.getLogger(__name__)
 
 APP_NAME = "onecopy"
 INGRESS = "OnecopyIngress"

@@ -13,7 +13,7 @@ import torch
 
 from ..bundle import MethodSpec, parse_dtype
 from ..errors import CoverageError, DeviceMismatchError, InputError, ManifestError
-from ..export.toolchain import check_package_loadable
+from ..toolchain import check_package_loadable
 from .weights import WeightStore
 
 _RANGE_HINTS = {"tokens": "token ids must lie in the vocabulary", "input_pos": "positions must lie below max_seq_len"}

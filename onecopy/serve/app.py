@@ -32,7 +32,7 @@ from .metrics import ServerMetrics
 from .protocol import GenerationRequest, check_model, parse_generation, parse_json
 from .text import ReplyText
 
-log = logging.getLogger("onecopy.serve")
+log = logging.getLogger(__name__)
 
 
 @dataclass

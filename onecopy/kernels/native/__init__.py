@@ -4,7 +4,7 @@ Today one family: decode attention over an 8-bit paged KV cache (`decode_q8.cu`;
 says why it is not Triton). AOTInductor cannot embed a CUDA C++ kernel the way it embeds Triton's, so a
 package that uses these ops calls them by name (its proxy executor) and the process must have this
 library loaded before the package is: `load` builds it for the device in hand (nvcc and a C++ compiler
-that links libstdc++ dynamically, `export.toolchain.pick_cxx`; about 30 s the first time, then cached
+that links libstdc++ dynamically, `toolchain.pick_cxx`; about 30 s the first time, then cached
 under torch's extensions folder and only loaded) and registers the ops; `runtime.method.Method` calls it
 for the methods whose manifest entry lists `LIBRARY` in ``native_ops``.
 
@@ -58,7 +58,7 @@ def load() -> None:
     from torch.utils.cpp_extension import load as build
 
     from ...errors import ToolchainError
-    from ...export.toolchain import pick_cxx
+    from ...toolchain import pick_cxx
 
     here = Path(__file__).parent
     major, minor = torch.cuda.get_device_capability()

@@ -16,7 +16,7 @@ import zipfile
 from functools import lru_cache
 from pathlib import Path
 
-from ..errors import ExportError, ToolchainError
+from .errors import ExportError, ToolchainError
 
 _PROBE_SRC = '#include <regex>\n#include <string>\nbool probe(const std::string& s) { return std::regex_match(s, std::regex("a+")); }\n'  # noqa: E501
 

@@ -1,0 +1,37 @@
+"""The packed (quantized) weight layouts as a bundle names them: the layout names, the tensors a packed
+layer is stored as, and the shape check a manifest's ``packed`` entry must pass.
+
+A leaf: it imports no model or kernel code, so reading a manifest (`bundle`) does not pull them in.
+The weights themselves, their arithmetic and the layers that hold them are `models.packed`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# layout -> (values per byte, affine): value = s * q (q8s), s * (q - 8) (q4z), s * q + m (q4a, q8a)
+# f8r: value = s * q with q float8 e4m3 and one s per output feature (a group of K)
+LAYOUTS: dict[str, tuple[int, bool]] = {"q8s": (1, False), "q4z": (2, False), "q4a": (2, True), "q8a": (1, True),
+                                        "f8r": (1, False)}
+GROUPS = (16, 32, 64, 128)  # values per scale the kernels read (a power of two, at most one K tile)
+PACKED_PARTS = ("qweight", "scales", "mins")  # the buffers a packed layer holds, in this order
+
+
+def check_packed(layout: str, group: int, shape: tuple[int, int], qweight: torch.Tensor, scales: torch.Tensor,
+                 mins: torch.Tensor | None) -> None:
+    """Raise ValueError unless the tensors are a consistent ``layout`` weight of float shape ``shape``."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown weight layout {layout!r}; this onecopy reads {', '.join(LAYOUTS)}")
+    per_byte, affine = LAYOUTS[layout]
+    n, k = shape
+    want_q = {"q8s": torch.int8, "f8r": torch.float8_e4m3fn}.get(layout, torch.uint8)
+    ok = ((group == k if layout == "f8r" else group in GROUPS) and k % group == 0 and k % per_byte == 0
+          and qweight.dtype == want_q
+          and tuple(qweight.shape) == (n, k // per_byte) and scales.dtype == torch.float32
+          and tuple(scales.shape) == (n, k // group) and (mins is not None) == affine
+          and (mins is None or (mins.dtype == torch.float32 and mins.shape == scales.shape)))
+    if not ok:
+        raise ValueError(f"a {layout} weight of shape {list(shape)}, group {group} needs qweight {want_q} "
+                         f"{[n, k // per_byte]} and float32 scales{' and mins' if affine else ''} {[n, k // group]}; "
+                         f"got qweight {qweight.dtype} {list(qweight.shape)}, scales {scales.dtype} {list(scales.shape)}"
+                         f"{'' if mins is None else f', mins {list(mins.shape)}'} (groups: {GROUPS}; f8r: one per row, K)")
