@@ -141,15 +141,22 @@ def _describe(components: list[list[str]]) -> str:
 
 # ------------------------------------------------------------------------------------------- the rules
 
-def test_no_import_cycle_outside_runtime():
-    """Cycles that involve no module of ``onecopy.runtime`` (the runtime's own is the next test's)."""
-    found = [c for c in cycles(import_graph()) if not any(under(m, "onecopy.runtime") for m in c)]
-    assert not found, "import cycles (strongly connected components):\n" + _describe(found)
-
-
 def test_no_import_cycle_anywhere():
     found = cycles(import_graph())
     assert not found, "import cycles (strongly connected components):\n" + _describe(found)
+
+
+def test_the_scheduler_and_kv_manager_are_host_only_and_below_the_engine():
+    """Policy imports no torch, and nothing that runs on the device or holds sessions: its tests need no
+    bundle, and the arrows point down (engine -> scheduler, never back)."""
+    graph = import_graph(external=True)
+    above = ("onecopy.runtime.engine", "onecopy.runtime.session", "onecopy.runtime.sessions", "onecopy.runtime.runner",
+             "onecopy.runtime.loop", "onecopy.runtime.block_tensors")
+    for start in ("onecopy.runtime.scheduler", "onecopy.runtime.kv_manager"):
+        reach = closure(graph, start)
+        assert not [m for m in reach if m in above], f"{start} reaches {sorted(m for m in reach if m in above)}"
+        torch = sorted(m for m in reach for name in graph[m] if under(name, "torch"))
+        assert not torch, f"{start}'s closure imports torch in {torch}"
 
 
 def test_the_bundle_format_imports_no_model_or_kernel_code():

@@ -120,7 +120,8 @@ def test_max_sessions_refusal_names_the_numbers(tiny_bundle):
         s = e.open_session()
         assert e.capacity() == 0
         with pytest.raises(onecopy.SessionCapacityError,
-                           match=rf"all 2 rows of the state pool are in use \(max_sessions=2; .*; {e.state_bytes_per_session} bytes each\)"
+                           match=rf"all 2 rows of the state pool are in use \(max_sessions=2; .*; "
+                                 rf"{e.state_bytes_per_session} bytes each\)"
                                  r".*Close a session, or load the engine with a larger max_sessions"):
             e.open_session()
         s.close()
