@@ -1,6 +1,6 @@
 """Pick a C++ compiler whose AOTI packages load safely into this process, and check packages at load.
 
-Measured on the GPU image (DESIGN.md): its $CXX (/opt/gcc/bin/g++) links libstdc++ statically into
+Measured on the GPU image (docs/architecture.md, "Facts measured"): its $CXX (/opt/gcc/bin/g++) links libstdc++ statically into
 the package's .so, which then segfaults in std::regex next to the process's own libstdc++. A .so
 that links libstdc++.so.6 dynamically shares the process's copy and loads fine.
 """

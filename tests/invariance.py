@@ -42,7 +42,7 @@ def decode_placed(engine, state: dict[str, torch.Tensor], token: int, position: 
         p.copy_((0.1 * torch.randn(p.shape, generator=g)).to(p.dtype))
         p[row] = state[f]
     pools = [pool.tensors[f] for f in method.spec.state if f not in paged]
-    blocks = None
+    blocks, order = None, None
     if paged:  # every row's blocks at shuffled places, the session's among them
         width, bs = m.table_width, m.kv_block_size
         blocks = BlockTensors({f: m.state[f] for f in paged}, pool_rows * width, pool_rows, width, bs, engine.device)
@@ -62,7 +62,7 @@ def decode_placed(engine, state: dict[str, torch.Tensor], token: int, position: 
     logits = step(batch, positions.tolist(), tokens.to(engine.device))
     after = {f: p[row].clone() for f, p in pool.tensors.items()}
     if blocks is not None:
-        after.update(blocks.gather(row))
+        after.update(blocks.gather(order[row].tolist()))
     return logits[i].clone(), after
 
 

@@ -1,6 +1,6 @@
 """CUDA graphs of the batched decode: one capture per batch size (bucket), all in one memory pool.
 
-Measured (DESIGN.md): a loaded AOTI runner that was captured is replay-only, so each bucket owns
+Measured (docs/architecture.md, "Facts measured"): a loaded AOTI runner that was captured is replay-only, so each bucket owns
 a runner, bound to the engine's shared weights. Every graph reads the same static inputs (tokens,
 positions, rows) and the same state pools, whose addresses never change, so any session's row
 can ride in any graph: a step pads to the next bucket and points the padding at the scratch row.
