@@ -233,14 +233,21 @@ def test_bad_requests_are_refused_before_any_kernel_runs(tiny_engine, monkeypatc
     assert running.finish_reason == "cancelled" and tiny_engine.capacity() == tiny_engine.max_sessions
 
 
-def test_closing_the_engine_ends_queued_and_running_requests(tiny_bundle):
-    engine = onecopy.Engine.load(tiny_bundle, max_sessions=1)
+def test_closing_the_engine_ends_queued_and_running_requests(tiny_bundle, monkeypatch):
+    engine = onecopy.Engine.load(tiny_bundle, max_sessions=2)
+    _slow_decode(engine, monkeypatch)
     holder = engine.open_session()
-    waiting = engine.submit([1, 2], GREEDY)
+    running = engine.submit([1, 2], onecopy.SamplingParams(max_new_tokens=50), stop_ids=[])
+    for _ in running:  # it is generating
+        break
+    waiting = engine.submit([3, 4], GREEDY)  # both rows taken: it queues
+    assert (engine.scheduler.running, engine.scheduler.waiting) == (1, 1)
     engine.close()
-    assert waiting.finish_reason == "cancelled"
-    with pytest.raises(onecopy.EngineClosedError, match="the engine was closed"):
-        waiting.result()
+    for stream in (running, waiting):
+        assert stream.finish_reason == "cancelled"
+        with pytest.raises(onecopy.EngineClosedError, match="the engine was closed"):
+            stream.result()
+    assert 0 < len(running.ids) < 50 and not waiting.ids
     with pytest.raises(onecopy.EngineClosedError):
         engine.submit([1], GREEDY)
     assert holder.closed

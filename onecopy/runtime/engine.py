@@ -20,14 +20,14 @@ from pathlib import Path
 
 import torch
 
-from ..bundle import Manifest, parse_dtype, read_bundle
+from ..bundle import Manifest, read_bundle
 from ..errors import EngineClosedError, InputError, SessionCapacityError
 from ..params import SamplingParams
 from ..tokenizer import Tokenizer
 from .config import EngineConfig
 from .kv_manager import KVSpec
 from .loop import EngineLoop
-from .memory import MemoryReport, default_reserve, device_used, row_bytes, size_blocks, size_pool
+from .memory import MemoryReport, default_reserve, device_used, engine_report, row_bytes, size_blocks, size_pool
 from .method import Method
 from .prompts import Prompts
 from .request import Request
@@ -394,45 +394,11 @@ class Engine:
     def memory_report(self) -> MemoryReport:
         """Weights (unique, resident, duplicated), the state pool, graphs and device-level use of this Engine."""
         self.check_open()
-        weights = self.manifest.weights
-        needed = {f for m in self._methods.values() for f in m.weight_fqns}
-        unique = sum(weights[f].nbytes for f in needed)
-        embedded = sum(weights[f].nbytes for m in self._methods.values() if m.embeds_weights for f in m.weight_fqns)
-        resident = self._store.nbytes + embedded
-        notes = []
-        if embedded:
-            names = [m.name for m in self._methods.values() if m.embeds_weights]
-            notes.append(f"methods {names} carry their own weights (fallback path): re-export to share one copy")
-        notes += [n for n in (self.single_session_reason, self.prefix_cache_note) if n]
-        used = device_used(self.device)
-        r, kv_manager = self.runner, self.scheduler.kv
-        graphs = r.step.graphs if r.step is not None else None
-        kv = {}
-        state_bytes = len(self.sessions) * r.pool.row_bytes
-        if kv_manager is not None:
-            use, block = kv_manager.usage(), r.blocks.block_bytes
-            kv = dict(kv_block_size=kv_manager.block_size, kv_blocks=kv_manager.blocks,
-                      kv_dtype=self.manifest.kv_dtype_description(), kv_block_bytes=block,
-                      kv_shared_bytes=use["shared"] * block, kv_private_bytes=use["private"] * block,
-                      kv_evictable_bytes=use["cached"] * block, kv_free_bytes=use["free"] * block,
-                      kv_references=use["references"], prefix_cache=self.prefix_cache,
-                      prefix_cached_tokens=self.scheduler.stats.cached_tokens)
-            state_bytes += (use["shared"] + use["private"]) * block
-        m = self.manifest
-        packed = {f for name in m.packed for f in m.packed_fqns(name)} & set(needed)
-        packed_values = sum(p["shape"][0] * p["shape"][1] for p in m.packed.values())
-        return MemoryReport(device=str(self.device), unique_weight_bytes=unique, resident_weight_bytes=resident,
-                            duplicated_weight_bytes=resident - unique,
-                            packed_weight_bytes=sum(weights[f].nbytes for f in packed),
-                            packed_as_float_bytes=packed_values * parse_dtype(m.dtype).itemsize,
-                            state_bytes=state_bytes, sessions_open=len(self.sessions),
-                            state_bytes_per_session=self.state_bytes_per_session,
-                            device_used_bytes=used - self._baseline_used, device_total_used_bytes=used,
-                            capacity=self.free_rows, pool_rows=self.max_sessions,
-                            pool_bytes=r.pool.nbytes + (r.blocks.nbytes if r.blocks is not None else 0),
-                            pool_sizing=self.pool_sizing, sampler_bytes=r.sampler.nbytes,
-                            graph_buckets=self.graph_buckets, graph_bytes=graphs.device_bytes if graphs else 0,
-                            workspace_bytes=r.workspace.nbytes, deterministic=self.deterministic, notes=notes, **kv)
+        notes = [n for n in (self.single_session_reason, self.prefix_cache_note) if n]
+        return engine_report(self.device, self.manifest, list(self._methods.values()), self._store, self.runner,
+                             self.scheduler, sessions_open=len(self.sessions), baseline_used=self._baseline_used,
+                             pool_sizing=self.pool_sizing, state_bytes_per_session=self.state_bytes_per_session,
+                             prefix_cache=self.prefix_cache, deterministic=self.deterministic, notes=notes)
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:

@@ -8,11 +8,18 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..bundle import Manifest
+from ..bundle import Manifest, parse_dtype
 from ..errors import SessionCapacityError
+
+if TYPE_CHECKING:
+    from .method import Method
+    from .runner import ModelRunner
+    from .scheduler import Scheduler
+    from .weights import WeightStore
 
 CPU_DEFAULT_SESSIONS = 8  # pool rows on CPU unless max_sessions or memory_budget say otherwise
 CUDA_MAX_SESSIONS = 256  # cap on the rows sized from free GPU memory (and on the largest decode graph)
@@ -211,3 +218,46 @@ class MemoryReport:
         if self.deterministic:
             lines.append("deterministic: the batch-invariant decode (a session's bits never depend on its neighbours)")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+def engine_report(device: torch.device, manifest: Manifest, methods: "list[Method]", store: "WeightStore",
+                  runner: "ModelRunner", scheduler: "Scheduler", *, sessions_open: int, baseline_used: int,
+                  pool_sizing: str, state_bytes_per_session: int, prefix_cache: bool, deterministic: bool,
+                  notes: list[str]) -> MemoryReport:
+    """What one engine holds: weights counted once, the pool and KV blocks by who reads them, graphs,
+    and the device-level figure next to the sums."""
+    weights = manifest.weights
+    needed = {f for m in methods for f in m.weight_fqns}
+    unique = sum(weights[f].nbytes for f in needed)
+    embedded = sum(weights[f].nbytes for m in methods if m.embeds_weights for f in m.weight_fqns)
+    resident = store.nbytes + embedded
+    if embedded:
+        names = [m.name for m in methods if m.embeds_weights]
+        notes = [f"methods {names} carry their own weights (fallback path): re-export to share one copy", *notes]
+    used = device_used(device)
+    graphs = runner.step.graphs if runner.step is not None else None
+    kv, kv_manager = {}, scheduler.kv
+    state_bytes = sessions_open * runner.pool.row_bytes
+    if kv_manager is not None:
+        use, block = kv_manager.usage(), runner.blocks.block_bytes
+        kv = dict(kv_block_size=kv_manager.block_size, kv_blocks=kv_manager.blocks,
+                  kv_dtype=manifest.kv_dtype_description(), kv_block_bytes=block,
+                  kv_shared_bytes=use["shared"] * block, kv_private_bytes=use["private"] * block,
+                  kv_evictable_bytes=use["cached"] * block, kv_free_bytes=use["free"] * block,
+                  kv_references=use["references"], prefix_cache=prefix_cache,
+                  prefix_cached_tokens=scheduler.stats.cached_tokens)
+        state_bytes += (use["shared"] + use["private"]) * block
+    packed = {f for name in manifest.packed for f in manifest.packed_fqns(name)} & needed
+    packed_values = sum(p["shape"][0] * p["shape"][1] for p in manifest.packed.values())
+    return MemoryReport(device=str(device), unique_weight_bytes=unique, resident_weight_bytes=resident,
+                        duplicated_weight_bytes=resident - unique,
+                        packed_weight_bytes=sum(weights[f].nbytes for f in packed),
+                        packed_as_float_bytes=packed_values * parse_dtype(manifest.dtype).itemsize,
+                        state_bytes=state_bytes, sessions_open=sessions_open,
+                        state_bytes_per_session=state_bytes_per_session,
+                        device_used_bytes=used - baseline_used, device_total_used_bytes=used,
+                        capacity=scheduler.rows.free_rows, pool_rows=scheduler.rows.rows,
+                        pool_bytes=runner.pool.nbytes + (runner.blocks.nbytes if runner.blocks is not None else 0),
+                        pool_sizing=pool_sizing, sampler_bytes=runner.sampler.nbytes,
+                        graph_buckets=runner.graph_buckets, graph_bytes=graphs.device_bytes if graphs else 0,
+                        workspace_bytes=runner.workspace.nbytes, deterministic=deterministic, notes=notes, **kv)
