@@ -21,6 +21,7 @@ from ..tokenizer import Tokenizer
 from .plan import ZeroRow
 from .prompts import Prompts
 from .request import Request
+from .rows import RowLease
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .session import Session
@@ -72,7 +73,7 @@ class Sessions:
         req.stream.session = session
         return session
 
-    def _register(self, lease) -> Session:
+    def _register(self, lease: RowLease) -> Session:
         session = Session(self, self._next_id, lease)
         self._next_id += 1
         self._open[session.id] = session
@@ -81,9 +82,12 @@ class Sessions:
 
     def release(self, session: Session) -> None:
         """Close ``session`` and give its row back (zeroed before anyone runs on it). Idempotent: the row
-        goes back once, whichever path gets here first."""
+        goes back once, whichever path gets here first. While a request still runs on the session, the
+        row goes back when that request ends (`finished`), never from under it."""
         with self.lock:
             session.mark_closed()
+            if session.stream is not None:
+                return
             self._open.pop(session.id, None)
             freed = self.scheduler.free_row(session.lease)
             if freed and self._usable():
