@@ -317,12 +317,49 @@ def _compile_method(ep: torch.export.ExportedProgram, method: MethodDef, name: s
         warnings.simplefilter("ignore")
         torch._inductor.aoti_compile_and_package(ep, package_path=str(pkg), inductor_configs=configs)
     # What the compiled package really reads (unused parameters are dropped), not the signature.
-    constants = sorted(torch._inductor.aoti_load_package(str(pkg)).get_constant_fqns())
+    constants = package_constants(pkg)
+    if constants is None:  # a wrapper this torch writes differently: ask the loaded package
+        constants = torch._inductor.aoti_load_package(str(pkg)).get_constant_fqns()
+    constants = sorted(constants)
     return MethodSpec(name=name, package=f"methods/{name}.pt2", package_sha256=sha256(pkg.read_bytes()),
                       weights="embedded" if embed else "external", inputs=method.inputs, constants=constants,
                       state=list(method.state), writes=sorted(writes), role=method.role,
                       batch_invariant=method.batch_invariant, paged=method.paged,
                       native_ops=op_libraries(ep, (NATIVE_LIBRARY,)))
+
+
+_MODEL_BASE = b"AOTInductorModelBase("
+_FQN = b".original_fqn = \""
+
+
+def package_constants(package: Path) -> list[str] | None:
+    """The FQNs of the constants an AOTI package reads, as its loaded model's ``get_constant_fqns()`` lists
+    them, read from the generated wrapper source the package carries (``constants_info_[i].original_fqn =
+    "..."``, one line per constant) instead of loading it (a dlopen, and on CUDA a context and the kernels).
+    None unless exactly one source declares the model, with its constant count, and names each constant once."""
+    import re
+    import zipfile
+
+    base = re.compile(rb"AOTInductorModelBase\(\s*(\d+),\s*(\d+),\s*(\d+),")
+    line = re.compile(rb'constants_info_\[(\d+)\]\.original_fqn = "([^"\\]*)";')
+    found = None
+    with zipfile.ZipFile(package) as z:
+        for entry in z.namelist():
+            if not entry.endswith(".cpp"):
+                continue
+            text = z.read(entry)
+            if _MODEL_BASE not in text:
+                continue
+            declared = base.search(text)
+            if found is not None or declared is None:
+                return None
+            named = line.findall(text)
+            n = int(declared.group(3))
+            by_index = {int(i): fqn.decode() for i, fqn in named}
+            if len(named) != n or set(by_index) != set(range(n)) or text.count(_FQN) != n:
+                return None
+            found = [by_index[i] for i in range(n)]
+    return found
 
 
 def op_libraries(ep: torch.export.ExportedProgram, libraries: Sequence[str]) -> list[str]:
