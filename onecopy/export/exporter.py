@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import operator
 import os
 import shutil
@@ -10,18 +11,20 @@ import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..bundle import (FORMAT_VERSION, MANIFEST, TOKENIZER, WEIGHTS, Manifest, MethodSpec, TensorSpec, dtype_name,
                       sha256, sha256_many, tensor_view)
-from ..errors import ExportError
+from ..errors import ExportError, OnecopyError
 from ..kernels.native import LIBRARY as NATIVE_LIBRARY
 from ..models import kv_quant
 from ..models.base import MethodDef
 from ..models.packed import GROUPS
 from ..models.quantize import DEFAULT_GROUP, QUANTIZE_MODES, pack_gguf, packed_layers, quantize_model
 from ..models.source import ModelSource, resolve_source
+from .compile_worker import CompileWorkers, Compiled, compile_jobs, compile_package, make_task
 from .toolchain import pick_cxx
 
 
@@ -57,11 +60,34 @@ class _Progress:
             self.bar.close()
 
 
+class _Clock:
+    """Seconds per export phase into ``timings`` (when given): ``phases`` in order, and what each adds."""
+
+    def __init__(self, timings: dict[str, Any] | None) -> None:
+        self.timings = timings
+        self.start = self.last = time.perf_counter()
+        if timings is not None:
+            timings.setdefault("phases", {})
+
+    def lap(self, phase: str, detail: dict[str, Any] | None = None) -> None:
+        now = time.perf_counter()
+        if self.timings is not None:
+            self.timings["phases"][phase] = round(now - self.last, 3)
+            if detail:
+                self.timings.setdefault("detail", {})[phase] = detail
+        self.last = now
+
+    def done(self) -> None:
+        if self.timings is not None:
+            self.timings["total"] = round(time.perf_counter() - self.start, 3)
+
+
 def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_len: int | None = None,
            dtype: torch.dtype | str | None = None, device: str = "cpu", methods: Sequence[str] | None = None,
            embed_weights: Sequence[str] = (), overwrite: bool = False, progress: bool = True,
            kv_block: int | None = DEFAULT_KV_BLOCK, dequantize: bool | None = None, quantize: str | None = None,
-           group_size: int = DEFAULT_GROUP, kv_dtype: str | None = None, native_kernels: bool = True) -> Path:
+           group_size: int = DEFAULT_GROUP, kv_dtype: str | None = None, native_kernels: bool = True,
+           jobs: int | None = None, timings: dict[str, Any] | None = None) -> Path:
     """Export ``source`` into a bundle at ``out_dir`` and return its path.
 
     ``max_seq_len`` defaults to the family's natural bound (Llama: min(2048, the model's context);
@@ -86,6 +112,11 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
     ``native_kernels``: a CUDA export decodes an 8-bit cache with the CUDA C++ kernel where it serves the
     shapes (`kernels.native`, built here with nvcc); the manifest lists it under each method's
     ``native_ops`` and the runtime loads it first. False keeps the Triton kernel (the comparison).
+    ``jobs``: how many methods compile at once, each in a worker process (`export.compile_worker`); None: one
+    per CPU (at most one per method), or $ONECOPY_EXPORT_JOBS; 1 compiles them one after another in this
+    process. The bundle is the same either way.
+    ``timings``: a dict to fill with seconds per export phase (and Inductor's own timers per method), for
+    benchmarks/export_time.py.
     """
     out = Path(out_dir)
     if out.exists() and not overwrite:
@@ -115,7 +146,12 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
     if quantize is not None and group_size not in GROUPS:
         raise ExportError(f"group size {group_size} is not supported; use one of {', '.join(map(str, GROUPS))} "
                           "(--group-size)")
+    if jobs is not None and not (isinstance(jobs, int) and jobs >= 1):
+        raise ExportError(f"jobs={jobs!r} must be a positive number of compile workers (--jobs); 1 compiles the "
+                          "methods one after another")
     bar = _Progress(0, False)
+    clock = _Clock(timings)
+    workers = None
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -152,37 +188,79 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
                               f"{', '.join(available)} (embed_weights must name exported methods)")
         bar = _Progress(2 * len(methods) + 3, progress)
         bar.done()  # the source is read
+        clock.lap("read and build")
         (tmp / "methods").mkdir(parents=True)
         cxx = pick_cxx()
+        n_jobs = compile_jobs(jobs, len(methods))
+        workers = CompileWorkers(n_jobs) if n_jobs > 1 else None  # they start up while the methods are traced
         declared = set(model.state_fqns())
-        exported = {}
-        for name in methods:  # every method is traced (and checked) before any is compiled
+        configs = {name: _inductor_configs(cxx, name in embed_weights) for name in methods}
+        weights = None
+        if workers is not None and device == "cpu":
+            # CPU weights go to the workers by name in the weights file (mapped, not copied): write it first.
+            weights = _write_weights(tmp, model)
+            clock.lap("write weights")
+        exported, libraries = {}, {}
+        for name in methods:  # every method is traced (and checked) before the export goes on
             bar.step(f"export {name}")
             exported[name] = _export_method(available[name], name, declared)
+            ep = exported[name][0]
+            libraries[name] = op_libraries(ep, (NATIVE_LIBRARY,))
+            if workers is not None:  # it compiles while the next is traced (a failed check below kills it)
+                workers.submit(functools.partial(make_task, name, ep, _package(tmp, name), configs[name],
+                                                 libraries[name], weights and {k: v for k, (v, _) in weights.items()},
+                                                 tmp / WEIGHTS))
             bar.done()
+            clock.lap(f"trace {name}")
         written = {f for _, writes in exported.values() for f in writes}
         if written != declared and set(methods) == set(available):
             raise ExportError(f"the methods never write the declared state {sorted(declared - written)[:4]}; "
                               "refusing to write a bundle whose state declaration is wrong")
-        specs = {}
-        for name, (ep, writes) in exported.items():
-            bar.step(f"compile {name}")
-            specs[name] = _compile_method(ep, available[name], name, tmp, cxx, name in embed_weights, writes)
-            bar.done()
+        if workers is None:
+            compiled = {}
+            for name, (ep, _) in exported.items():
+                bar.step(f"compile {name}")
+                compiled[name] = _compile(ep, name, tmp, configs[name])
+                bar.done()
+        else:
+            if weights is None:  # CUDA: while the workers compile
+                weights = _write_weights(tmp, model)
+                clock.lap("write weights")
+            left = list(methods)
+
+            def finished(name: str) -> None:
+                left.remove(name)
+                bar.done()
+                if left:
+                    bar.step(f"compile {', '.join(left)}")
+
+            bar.step(f"compile {', '.join(left)}")
+            compiled = workers.wait(finished)
+            workers.close()
+        clock.lap("compile", {name: {"seconds": c.seconds, "inductor": c.phases} for name, c in compiled.items()})
+        specs = {name: _method_spec(available[name], name, tmp, name in embed_weights, writes, compiled[name],
+                                    libraries[name]) for name, (_, writes) in exported.items()}
         bar.step("write bundle")
-        _write_bundle(tmp, src, model, specs, max_seq_len, dtype, device, cxx, sources)
+        if weights is None:
+            weights = _write_weights(tmp, model)
+            clock.lap("write weights")
+        _write_bundle(tmp, src, model, specs, max_seq_len, dtype, device, cxx, sources, weights)
         bar.done()
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
+        clock.lap("write bundle")
         bar.step("done")
         bar.done()
         return out
     except BaseException:
+        if workers is not None:
+            workers.close(kill=True)  # before the partial bundle goes: nothing writes into it afterwards
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         bar.close()
+        clock.done()
 
 
 def _check_fp8_device(device: str, option: str) -> None:
@@ -307,59 +385,34 @@ def _flat_nodes(value: object) -> list[torch.fx.Node]:
 EXTERNAL_WEIGHTS = {"always_keep_tensor_constants": True, "aot_inductor.package_constants_in_so": False}
 
 
-def _compile_method(ep: torch.export.ExportedProgram, method: MethodDef, name: str, tmp: Path, cxx: str, embed: bool,
-                    writes: set[str]) -> MethodSpec:
-    pkg = tmp / "methods" / f"{name}.pt2"
-    configs: dict = {"cpp.cxx": (cxx,)}
+def _inductor_configs(cxx: str, embed: bool) -> dict[str, Any]:
+    configs: dict[str, Any] = {"cpp.cxx": (cxx,)}
     if not embed:
         configs.update(EXTERNAL_WEIGHTS)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch._inductor.aoti_compile_and_package(ep, package_path=str(pkg), inductor_configs=configs)
-    # What the compiled package really reads (unused parameters are dropped), not the signature.
-    constants = package_constants(pkg)
-    if constants is None:  # a wrapper this torch writes differently: ask the loaded package
-        constants = torch._inductor.aoti_load_package(str(pkg)).get_constant_fqns()
-    constants = sorted(constants)
+    return configs
+
+
+def _package(tmp: Path, name: str) -> Path:
+    return tmp / "methods" / f"{name}.pt2"
+
+
+def _compile(ep: torch.export.ExportedProgram, name: str, tmp: Path, configs: dict[str, Any]) -> Compiled:
+    """Compile one method in this process; a failure is an ExportError naming it."""
+    try:
+        return compile_package(ep, _package(tmp, name), configs)
+    except OnecopyError:
+        raise
+    except Exception as e:
+        raise ExportError(f"compiling method {name!r} failed: {type(e).__name__}: {e}") from e
+
+
+def _method_spec(method: MethodDef, name: str, tmp: Path, embed: bool, writes: set[str], compiled: Compiled,
+                 native_ops: list[str]) -> MethodSpec:
+    pkg = _package(tmp, name)
     return MethodSpec(name=name, package=f"methods/{name}.pt2", package_sha256=sha256(pkg.read_bytes()),
-                      weights="embedded" if embed else "external", inputs=method.inputs, constants=constants,
+                      weights="embedded" if embed else "external", inputs=method.inputs, constants=compiled.constants,
                       state=list(method.state), writes=sorted(writes), role=method.role,
-                      batch_invariant=method.batch_invariant, paged=method.paged,
-                      native_ops=op_libraries(ep, (NATIVE_LIBRARY,)))
-
-
-_MODEL_BASE = b"AOTInductorModelBase("
-_FQN = b".original_fqn = \""
-
-
-def package_constants(package: Path) -> list[str] | None:
-    """The FQNs of the constants an AOTI package reads, as its loaded model's ``get_constant_fqns()`` lists
-    them, read from the generated wrapper source the package carries (``constants_info_[i].original_fqn =
-    "..."``, one line per constant) instead of loading it (a dlopen, and on CUDA a context and the kernels).
-    None unless exactly one source declares the model, with its constant count, and names each constant once."""
-    import re
-    import zipfile
-
-    base = re.compile(rb"AOTInductorModelBase\(\s*(\d+),\s*(\d+),\s*(\d+),")
-    line = re.compile(rb'constants_info_\[(\d+)\]\.original_fqn = "([^"\\]*)";')
-    found = None
-    with zipfile.ZipFile(package) as z:
-        for entry in z.namelist():
-            if not entry.endswith(".cpp"):
-                continue
-            text = z.read(entry)
-            if _MODEL_BASE not in text:
-                continue
-            declared = base.search(text)
-            if found is not None or declared is None:
-                return None
-            named = line.findall(text)
-            n = int(declared.group(3))
-            by_index = {int(i): fqn.decode() for i, fqn in named}
-            if len(named) != n or set(by_index) != set(range(n)) or text.count(_FQN) != n:
-                return None
-            found = [by_index[i] for i in range(n)]
-    return found
+                      batch_invariant=method.batch_invariant, paged=method.paged, native_ops=native_ops)
 
 
 def op_libraries(ep: torch.export.ExportedProgram, libraries: Sequence[str]) -> list[str]:
@@ -375,13 +428,20 @@ def op_libraries(ep: torch.export.ExportedProgram, libraries: Sequence[str]) -> 
     return sorted(found)
 
 
-def _write_bundle(tmp: Path, src: ModelSource, model: torch.nn.Module, specs: dict[str, MethodSpec], max_seq_len: int,
-                  dtype: torch.dtype, device: str, cxx: str, sources: dict[str, str]) -> None:
+def _write_weights(tmp: Path, model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, str]]:
+    """Write the weight file; returns name -> (the CPU tensor written, its sha256)."""
     from safetensors.torch import save_file
 
     tensors = model.state_dict()  # tied weights appear once: the models reuse the embedding, no alias FQN
     weights = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     save_file(weights, str(tmp / WEIGHTS))
+    digests = sha256_many([tensor_view(v) for v in weights.values()])
+    return {k: (v, digest) for (k, v), digest in zip(weights.items(), digests)}
+
+
+def _write_bundle(tmp: Path, src: ModelSource, model: torch.nn.Module, specs: dict[str, MethodSpec], max_seq_len: int,
+                  dtype: torch.dtype, device: str, cxx: str, sources: dict[str, str],
+                  weights: dict[str, tuple[torch.Tensor, str]]) -> None:
     recurrent = set(getattr(model, "recurrent_state", list)())
     paged = set(getattr(model, "paged_state", list)())
     state = {k: TensorSpec(shape=list(shape), dtype=dtype_name(dt), init="zeros", recurrent=k in recurrent,
@@ -392,7 +452,7 @@ def _write_bundle(tmp: Path, src: ModelSource, model: torch.nn.Module, specs: di
         family=src.family, config=src.config.to_dict(), max_seq_len=max_seq_len, dtype=dtype_name(dtype),
         device_kind=device, methods=specs,
         weights={k: TensorSpec(shape=list(v.shape), dtype=dtype_name(v.dtype), sha256=digest)
-                 for (k, v), digest in zip(weights.items(), sha256_many([tensor_view(v) for v in weights.values()]))},
+                 for k, (v, digest) in weights.items()},
         state=state,
         tokenizer={"file": TOKENIZER, "bos_token_id": src.bos_token_id},
         generation={"eos_token_ids": src.eos_token_ids, "chat_template": src.chat_template, **src.generation},
