@@ -331,42 +331,65 @@ def written_inputs(ep: torch.export.ExportedProgram) -> tuple[list[str], list[st
     trace of the whole program again (19-23 s a method for SmolLM2 on 2 cores).
 
     An operator writes the arguments its schema marks ``(a!)``; an argument is an input's memory when its
-    traced value shares the input's storage (a view of it, at any depth). None when the graph calls something
-    whose writes its schema does not tell (a higher-order op such as ``auto_functionalized``, a Python callable
-    taking tensors): then the caller asks functionalization instead.
+    traced value shares the input's storage (a view of it, at any depth); a ``torch.cond`` writes what its
+    branches write of their operands. None when the graph calls something else whose writes no schema tells
+    (another higher-order op, a Python callable taking tensors): then the caller asks functionalization.
     """
     from torch.export.graph_signature import InputKind
+
+    found = _written_placeholders(ep.graph_module)
+    if found is None:
+        return None
+    placeholders = [node.name for node in ep.graph.nodes if node.op == "placeholder"]
+    written = {placeholders[i] for i in found}
+    spec_of = {spec.arg.name: spec for spec in ep.graph_signature.input_specs if hasattr(spec.arg, "name")}
+    users = list(ep.graph_signature.user_inputs)
+    constants = [spec_of[n].target for n in written
+                 if spec_of[n].kind in (InputKind.BUFFER, InputKind.PARAMETER, InputKind.CONSTANT_TENSOR)]
+    return users, [n for n in users if n in written], constants
+
+
+def _written_placeholders(gm: torch.fx.GraphModule) -> set[int] | None:
+    """The positions of the placeholders ``gm``'s graph writes in place (`written_inputs`), or None."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     def storage(node: object) -> StorageWeakRef | None:
         value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
         return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
 
-    spec_of = {spec.arg.name: spec for spec in ep.graph_signature.input_specs if hasattr(spec.arg, "name")}
-    inputs: dict[StorageWeakRef, list[str]] = {}
-    written: set[str] = set()
-    for node in ep.graph.nodes:
-        if node.op == "placeholder" and (s := storage(node)) is not None:
-            inputs.setdefault(s, []).append(node.name)
+    inputs: dict[StorageWeakRef, list[int]] = {}
+    written: set[int] = set()
+
+    def write(nodes: list) -> bool:  # False: a written value whose memory is not known
+        for node in nodes:
+            if (s := storage(node)) is None:
+                return False
+            written.update(inputs.get(s, ()))
+        return True
+
+    position = 0
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if (s := storage(node)) is not None:
+                inputs.setdefault(s, []).append(position)
+            position += 1
         if node.op != "call_function":
             continue
         target = node.target
-        if not isinstance(target, torch._ops.OpOverload):
-            if target is not operator.getitem and any(storage(a) is not None for a in _flat_nodes((node.args, node.kwargs))):
-                return None  # takes tensors, writes who knows what
-            continue
-        for i, arg in enumerate(target._schema.arguments):
-            if arg.alias_info is None or not arg.alias_info.is_write:
-                continue
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-            for a in _flat_nodes(value):
-                if (s := storage(a)) is None:
+        if isinstance(target, torch._ops.OpOverload):
+            for i, arg in enumerate(target._schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    if not write(_flat_nodes(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))):
+                        return None
+        elif target is torch.ops.higher_order.cond and len(node.args) == 4 and not node.kwargs:
+            _, *branches, operands = node.args  # cond(pred, true_fn, false_fn, operands)
+            for branch in branches:
+                inner = _written_placeholders(gm.get_submodule(branch.target)) if isinstance(branch, torch.fx.Node) else None
+                if inner is None or not write([operands[i] for i in inner]):
                     return None
-                written.update(inputs.get(s, ()))
-    users = list(ep.graph_signature.user_inputs)
-    constants = [spec_of[n].target for n in written
-                 if spec_of[n].kind in (InputKind.BUFFER, InputKind.PARAMETER, InputKind.CONSTANT_TENSOR)]
-    return users, [n for n in users if n in written], constants
+        elif target is not operator.getitem and any(storage(a) is not None for a in _flat_nodes((node.args, node.kwargs))):
+            return None  # takes tensors, writes who knows what
+    return written
 
 
 def _flat_nodes(value: object) -> list[torch.fx.Node]:
