@@ -75,6 +75,7 @@ class Compiled:
     constants: list[str]  # the FQNs the package reads, as its get_constant_fqns() lists them
     seconds: float  # aoti_compile_and_package's wall time
     phases: dict[str, float] = field(default_factory=dict)  # Inductor's own timers during it (seconds, summed)
+    received: float = 0.0  # in a worker: seconds to read the program and put its tensors back, before compiling
 
 
 def compile_package(ep: torch.export.ExportedProgram, package: Path, configs: dict[str, Any]) -> Compiled:
@@ -145,6 +146,7 @@ class Task:
     ipc: bytes  # torch.multiprocessing pickle of the CUDA tensors
     weights_file: str | None
     inductor_config: bytes  # the exporting process's Inductor config (torch._inductor.config.save_config)
+    compile_threads: int  # Inductor's kernel-compile processes for this worker: its share of the CPUs
 
 
 def _slots(ep: torch.export.ExportedProgram) -> tuple[dict[str, torch.Tensor], Any]:
@@ -177,9 +179,10 @@ def _rebuilt(ep: torch.export.ExportedProgram, slots: dict[str, torch.Tensor]) -
 
 
 def make_task(name: str, ep: torch.export.ExportedProgram, package: Path, configs: dict[str, Any],
-              libraries: list[str], weights: dict[str, torch.Tensor] | None, weights_file: Path | None) -> Task:
-    """Pack ``ep`` for a worker; ``weights`` (name -> the CPU tensor written to ``weights_file``) lets CPU
-    tensors that are weights go by name."""
+              libraries: list[str], weights: dict[str, torch.Tensor] | None, weights_file: Path | None,
+              workers: int = 1) -> Task:
+    """Pack ``ep`` for one of ``workers`` workers; ``weights`` (name -> the CPU tensor written to
+    ``weights_file``) lets CPU tensors that are weights go by name."""
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing  # noqa: F401  (registers the CUDA IPC reductions)
@@ -215,7 +218,8 @@ def make_task(name: str, ep: torch.export.ExportedProgram, package: Path, config
                 program=buf.getvalue(), refs=refs, values=pickle.dumps(values),
                 ipc=bytes(ForkingPickler.dumps(shared)) if shared else b"",
                 weights_file=str(weights_file) if weights_file is not None else None,
-                inductor_config=torch._inductor.config.save_config())
+                inductor_config=torch._inductor.config.save_config(),
+                compile_threads=-(-(torch._inductor.config.compile_threads or 1) // workers))
 
 
 _MAPS: list = []  # the weight files' mappings, alive as long as the tensors made from them
@@ -251,7 +255,10 @@ def run_task(task: Task) -> Compiled:
 
         if native.LIBRARY in task.libraries:
             native.load()
+    start = time.perf_counter()
     torch._inductor.config.load_config(task.inductor_config)
+    # The exporter's Triton/C++ compile processes, shared out: the workers compile side by side.
+    torch._inductor.config.compile_threads = task.compile_threads
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         light = torch.export.load(io.BytesIO(task.program))
@@ -261,7 +268,11 @@ def run_task(task: Task) -> Compiled:
         if task.weights_file else {}
     slots = {slot: mapped[x] if kind == "file" else values[x] if kind == "value" else shared[x]
              for slot, (kind, x) in task.refs.items()}
-    return compile_package(_rebuilt(light, slots), Path(task.package), task.configs)
+    ep = _rebuilt(light, slots)
+    received = time.perf_counter() - start
+    compiled = compile_package(ep, Path(task.package), task.configs)
+    compiled.received = round(received, 3)
+    return compiled
 
 
 # -- the workers ----------------------------------------------------------------------------------------------

@@ -206,12 +206,13 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
             exported[name] = _export_method(available[name], name, declared)
             ep = exported[name][0]
             libraries[name] = op_libraries(ep, (NATIVE_LIBRARY,))
+            clock.lap(f"trace {name}")
             if workers is not None:  # it compiles while the next is traced (a failed check below kills it)
                 workers.submit(functools.partial(make_task, name, ep, _package(tmp, name), configs[name],
                                                  libraries[name], weights and {k: v for k, (v, _) in weights.items()},
-                                                 tmp / WEIGHTS))
+                                                 tmp / WEIGHTS, n_jobs))
+                clock.lap(f"send {name}")
             bar.done()
-            clock.lap(f"trace {name}")
         written = {f for _, writes in exported.values() for f in writes}
         if written != declared and set(methods) == set(available):
             raise ExportError(f"the methods never write the declared state {sorted(declared - written)[:4]}; "
@@ -237,7 +238,8 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
             bar.step(f"compile {', '.join(left)}")
             compiled = workers.wait(finished)
             workers.close()
-        clock.lap("compile", {name: {"seconds": c.seconds, "inductor": c.phases} for name, c in compiled.items()})
+        clock.lap("compile", {name: {"seconds": c.seconds, "received": c.received, "inductor": c.phases}
+                              for name, c in compiled.items()})
         specs = {name: _method_spec(available[name], name, tmp, name in embed_weights, writes, compiled[name],
                                     libraries[name]) for name, (_, writes) in exported.items()}
         bar.step("write bundle")
