@@ -154,6 +154,33 @@ def test_a_program_sent_to_a_worker_compiles_to_the_same_results(tmp_path):
         torch.testing.assert_close(got_pool, want_pool)
 
 
+def test_gpu_benchmarks_of_the_workers_take_turns(tmp_path):
+    """Each benchmark holds the export's lock file (other workers wait), a nested one does not wait for itself."""
+    import fcntl
+
+    lock = tmp_path / "gpu.lock"
+
+    def lock_is_held() -> bool:
+        with open(lock, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            return False
+
+    class Benchmarker:  # the shape of Inductor's: the CUDA-graph benchmark times its replay with benchmark_gpu
+        def benchmark_gpu(self, fn):
+            return fn()
+
+        def benchmark_gpu_with_cuda_graph(self, fn):
+            return self.benchmark_gpu(fn)
+
+    bench = Benchmarker()
+    compile_worker._benchmark_alone(str(lock), bench)
+    assert bench.benchmark_gpu(lock_is_held) and bench.benchmark_gpu_with_cuda_graph(lock_is_held)
+    assert not lock_is_held()
+
+
 def test_compile_jobs(monkeypatch):
     monkeypatch.delenv(compile_worker.JOBS_ENV, raising=False)
     assert compile_jobs(8, 3) == 3 and compile_jobs(1, 3) == 1

@@ -35,6 +35,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -147,6 +148,7 @@ class Task:
     weights_file: str | None
     inductor_config: bytes  # the exporting process's Inductor config (torch._inductor.config.save_config)
     compile_threads: int  # Inductor's kernel-compile processes for this worker: its share of the CPUs
+    gpu_lock: str | None = None  # a file the workers lock around each GPU benchmark (`_benchmark_alone`)
 
 
 def _slots(ep: torch.export.ExportedProgram) -> tuple[dict[str, torch.Tensor], Any]:
@@ -256,6 +258,8 @@ def run_task(task: Task) -> Compiled:
         if native.LIBRARY in task.libraries:
             native.load()
     start = time.perf_counter()
+    if task.gpu_lock and torch.cuda.is_available():
+        _benchmark_alone(task.gpu_lock)
     torch._inductor.config.load_config(task.inductor_config)
     # The exporter's Triton/C++ compile processes, shared out: the workers compile side by side.
     torch._inductor.config.compile_threads = task.compile_threads
@@ -273,6 +277,43 @@ def run_task(task: Task) -> Compiled:
     compiled = compile_package(ep, Path(task.package), task.configs)
     compiled.received = round(received, 3)
     return compiled
+
+
+def _benchmark_alone(lock: str, benchmarker: Any = None) -> None:
+    """Time GPU kernels with no other worker's on the GPU: Inductor benchmarks the configs of the kernels it
+    autotunes while compiling, and two processes' kernels time-slice the one GPU, which would skew the
+    choice. Each benchmark (Inductor's ``benchmarker``; calls nested in one are inside its lock) holds an
+    exclusive lock on ``lock``, a file all the export's workers open; the rest of the compiles (lowering,
+    kernel and wrapper compiles) still runs side by side."""
+    import fcntl
+    import threading
+
+    if benchmarker is None:
+        try:
+            from torch._inductor.runtime.benchmarking import benchmarker
+        except ImportError:
+            return
+    if getattr(benchmarker, "_onecopy_alone", False):
+        return
+    held = threading.local()
+
+    def alone(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if getattr(held, "file", None) is not None:  # nested (a CUDA-graph benchmark times its replay)
+                return fn(*args, **kwargs)
+            with open(lock, "a") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)
+                held.file = f
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    held.file = None  # closing the file releases the lock
+        return call
+
+    for name in ("benchmark_gpu", "benchmark_gpu_with_cuda_graph"):
+        if hasattr(benchmarker, name):
+            setattr(benchmarker, name, alone(getattr(benchmarker, name)))
+    benchmarker._onecopy_alone = True
 
 
 # -- the workers ----------------------------------------------------------------------------------------------
@@ -295,6 +336,7 @@ class CompileWorkers:
         root = str(Path(__file__).resolve().parents[2])  # the directory holding this onecopy package
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
         self.workers: list[_Worker] = []
+        self.gpu_lock = Path(tempfile.gettempdir()) / f"onecopy-export-{os.getpid()}-{id(self):x}.gpu.lock"
         self.pending: list[Callable[[], Task]] = []
         self.busy: dict[Connection, _Worker] = {}
         try:
@@ -319,6 +361,7 @@ class CompileWorkers:
         while self.pending and self.idle:
             worker = self.idle.pop()
             task = self.pending.pop(0)()
+            task.gpu_lock = str(self.gpu_lock)
             worker.task = task.name
             try:
                 worker.conn.send_bytes(pickle.dumps(task))
@@ -373,6 +416,7 @@ class CompileWorkers:
                 pass
             w.proc.wait()
         self.workers = []
+        self.gpu_lock.unlink(missing_ok=True)
 
 
 def _serve(fd: int) -> None:
