@@ -25,7 +25,8 @@ Recorded per run: the phases (read and build the model, trace each method, the d
 exporter ran only to read the mutated state, compile each method, the package reload the old exporter ran
 only to read its constants, write weights and manifest), each method's compile seconds with Inductor's own
 timers (`torch._dynamo.utils.compilation_time_metrics`: AOT autograd's trace, lowering, scheduling and
-kernel codegen, C++/Triton compiles), the total, and the machine (device, CPUs, load average). A onecopy
+kernel codegen, C++/Triton compiles), the total, the CPU seconds of every process the export ran, and the
+machine (device, CPUs, load average: on a shared machine, wall time is only comparable at equal load). A onecopy
 that takes ``export(timings=...)`` reports its phases itself (compiles in worker processes included);
 for an older one the script times the same calls by wrapping them.
 """
@@ -36,6 +37,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -191,7 +193,9 @@ def main() -> None:
         env["TRITON_CACHE_DIR"] = str(caches / "triton")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--work", str(work), *sys.argv[1:]]
     load_before = os.getloadavg()
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"the export failed (exit code {proc.returncode})")
@@ -203,13 +207,15 @@ def main() -> None:
            "cpus": len(os.sched_getaffinity(0)), "cache": a.cache, "jobs": a.jobs, "inductor": a.inductor,
            "export_kwargs": kwargs,
            "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+           # CPU seconds of the export and every process it started and waited for (workers, compilers)
+           "cpu_s": round(after.ru_utime + after.ru_stime - used.ru_utime - used.ru_stime, 1),
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **record}
     out = Path(a.out)
     doc = json.loads(out.read_text()) if out.exists() else {"what": __doc__.split("\n")[0], "runs": []}
     doc["runs"].append(run)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
-    summary = {k: run[k] for k in ("label", "total_s", "phases_s", "calls_s")}
+    summary = {k: run[k] for k in ("label", "total_s", "cpu_s", "phases_s", "calls_s")}
     print(json.dumps(summary, indent=1))
 
 
