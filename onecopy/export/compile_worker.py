@@ -143,7 +143,7 @@ class Task:
     libraries: list[str]  # op libraries (`kernels.native`) to load before reading the program
     program: bytes  # torch.export.save of the program, its tensors meta
     refs: dict[str, tuple]  # slot -> ("file", weight name) | ("value", i) | ("ipc", i), and requires_grad
-    values: bytes  # pickle of the CPU tensors sent by value
+    values: bytes  # torch.save of the CPU tensors sent by value (a plain pickle cannot load float8 ones)
     ipc: bytes  # torch.multiprocessing pickle of the CUDA tensors
     weights_file: str | None
     inductor_config: bytes  # the exporting process's Inductor config (torch._inductor.config.save_config)
@@ -217,11 +217,17 @@ def make_task(name: str, ep: torch.export.ExportedProgram, package: Path, config
     finally:
         ep.graph.owning_module = ep.graph_module  # the copy took the graph over; ``ep`` stays as it was
     return Task(name=name, package=str(package), configs=dict(configs), libraries=list(libraries),
-                program=buf.getvalue(), refs=refs, values=pickle.dumps(values),
+                program=buf.getvalue(), refs=refs, values=_saved(values),
                 ipc=bytes(ForkingPickler.dumps(shared)) if shared else b"",
                 weights_file=str(weights_file) if weights_file is not None else None,
                 inductor_config=torch._inductor.config.save_config(),
                 compile_threads=-(-(torch._inductor.config.compile_threads or 1) // workers))
+
+
+def _saved(tensors: list[torch.Tensor]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(tensors, buf)
+    return buf.getvalue()
 
 
 _MAPS: list = []  # the weight files' mappings, alive as long as the tensors made from them
@@ -266,7 +272,7 @@ def run_task(task: Task) -> Compiled:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         light = torch.export.load(io.BytesIO(task.program))
-    values = pickle.loads(task.values)
+    values = torch.load(io.BytesIO(task.values), weights_only=True)
     shared = pickle.loads(task.ipc) if task.ipc else []
     mapped = _weights_views(task.weights_file, {r[1] for r in task.refs.values() if r[0] == "file"}) \
         if task.weights_file else {}
