@@ -343,7 +343,7 @@ class CompileWorkers:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
         self.workers: list[_Worker] = []
         self.gpu_lock = Path(tempfile.gettempdir()) / f"onecopy-export-{os.getpid()}-{id(self):x}.gpu.lock"
-        self.pending: list[Callable[[], Task]] = []
+        self.pending: list[Task] = []
         self.busy: dict[Connection, _Worker] = {}
         try:
             for _ in range(n):
@@ -358,16 +358,16 @@ class CompileWorkers:
             raise
         self.idle = list(self.workers)
 
-    def submit(self, task: Callable[[], Task]) -> None:
-        """Queue a method (``task`` makes it when a worker is free); it starts at once if one is."""
+    def submit(self, task: Task) -> None:
+        """Queue a method; it starts at once if a worker is free."""
+        task.gpu_lock = str(self.gpu_lock)
         self.pending.append(task)
         self._dispatch()
 
     def _dispatch(self) -> None:
         while self.pending and self.idle:
             worker = self.idle.pop()
-            task = self.pending.pop(0)()
-            task.gpu_lock = str(self.gpu_lock)
+            task = self.pending.pop(0)
             worker.task = task.name
             try:
                 worker.conn.send_bytes(pickle.dumps(task))

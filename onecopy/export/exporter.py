@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import operator
 import os
 import shutil
@@ -201,6 +200,7 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
             weights = _write_weights(tmp, model)
             clock.lap("write weights")
         exported, libraries = {}, {}
+        where = {name: "in the exporting process" for name in methods}
         for name in methods:  # every method is traced (and checked) before the export goes on
             bar.step(f"export {name}")
             exported[name] = _export_method(available[name], name, declared)
@@ -208,26 +208,31 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
             libraries[name] = op_libraries(ep, (NATIVE_LIBRARY,))
             clock.lap(f"trace {name}")
             if workers is not None:  # it compiles while the next is traced (a failed check below kills it)
-                workers.submit(functools.partial(make_task, name, ep, _package(tmp, name), configs[name],
-                                                 libraries[name], weights and {k: v for k, (v, _) in weights.items()},
-                                                 tmp / WEIGHTS, n_jobs))
+                try:
+                    task = make_task(name, ep, _package(tmp, name), configs[name], libraries[name],
+                                     weights and {k: v for k, (v, _) in weights.items()}, tmp / WEIGHTS, n_jobs)
+                except Exception as e:  # torch.export.save cannot write it (2.13: a program without outputs)
+                    where[name] = f"in the exporting process: not serializable ({type(e).__name__}: {e})"[:300]
+                else:
+                    workers.submit(task)
+                    where[name] = "in a worker"
                 clock.lap(f"send {name}")
             bar.done()
         written = {f for _, writes in exported.values() for f in writes}
         if written != declared and set(methods) == set(available):
             raise ExportError(f"the methods never write the declared state {sorted(declared - written)[:4]}; "
                               "refusing to write a bundle whose state declaration is wrong")
-        if workers is None:
-            compiled = {}
-            for name, (ep, _) in exported.items():
+        compiled = {}
+        for name, (ep, _) in exported.items():  # in this process: all (jobs=1), or what no worker could take
+            if where[name] != "in a worker":
                 bar.step(f"compile {name}")
                 compiled[name] = _compile(ep, name, tmp, configs[name])
                 bar.done()
-        else:
+        if workers is not None:
             if weights is None:  # CUDA: while the workers compile
                 weights = _write_weights(tmp, model)
                 clock.lap("write weights")
-            left = list(methods)
+            left = [name for name in methods if name not in compiled]
 
             def finished(name: str) -> None:
                 left.remove(name)
@@ -235,11 +240,12 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
                 if left:
                     bar.step(f"compile {', '.join(left)}")
 
-            bar.step(f"compile {', '.join(left)}")
-            compiled = workers.wait(finished)
+            if left:
+                bar.step(f"compile {', '.join(left)}")
+            compiled.update(workers.wait(finished))
             workers.close()
-        clock.lap("compile", {name: {"seconds": c.seconds, "received": c.received, "inductor": c.phases}
-                              for name, c in compiled.items()})
+        clock.lap("compile", {name: {"seconds": c.seconds, "received": c.received, "where": where[name],
+                                     "inductor": c.phases} for name, c in compiled.items()})
         specs = {name: _method_spec(available[name], name, tmp, name in embed_weights, writes, compiled[name],
                                     libraries[name]) for name, (_, writes) in exported.items()}
         bar.step("write bundle")
