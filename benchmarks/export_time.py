@@ -152,7 +152,7 @@ def _child(a: argparse.Namespace, kwargs: dict) -> dict:
     }
     detail = (timings.get("detail") or {}).get("compile")
     if detail:  # per method, wherever it compiled
-        record["compile_s"] = {m: {"total": d["seconds"], "received_in_worker": d.get("received", 0.0),
+        record["compile_s"] = {m: {"total": d["seconds"], "where": d.get("where"), "received_in_worker": d.get("received", 0.0),
                                    **{k: round(d["inductor"].get(v, 0.0), 1)
                                                               for k, v in HEADLINE.items()}, "inductor": d["inductor"]}
                                for m, d in detail.items()}

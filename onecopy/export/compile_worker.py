@@ -18,7 +18,9 @@ buffers, constants, example inputs) replaced by a meta tensor, and the tensors a
 IPC (torch.multiprocessing's reductions: the worker maps the exporting process's memory, nothing is copied),
 CPU ones that are bundle weights by name in the bundle's weights.safetensors (mapped copy-on-write: the page
 cache is shared), other CPU ones by value. The worker puts them back and compiles the same program; the
-package differs from an in-process compile's at most in Inductor's names for equal shape symbols.
+package differs from an in-process compile's at most in Inductor's names for equal shape symbols. A method
+whose program cannot be sent (torch 2.13 cannot save one without outputs: Whisper's encoder) is compiled by
+the exporter itself once every method is traced, beside the workers.
 
 Failures are typed: a method that fails to compile, or a worker that dies, raises ExportError naming the
 method; every worker (and what it started: its own process group) is killed before the exporter removes its
