@@ -180,7 +180,7 @@ def _cmd_export(a: argparse.Namespace) -> int:
     out = export(a.source, a.out, max_seq_len=a.max_seq_len, dtype=a.dtype, device=a.device,
                  methods=tuple(a.methods.split(",")) if a.methods else None, overwrite=a.overwrite, kv_block=kv_block,
                  dequantize=a.dequantize, quantize=a.quantize, group_size=a.group_size, kv_dtype=a.kv_dtype,
-                 native_kernels=a.native_kernels)
+                 native_kernels=a.native_kernels, jobs=a.jobs)
     print(f"wrote {out}")
     return 0
 
@@ -298,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-native-kernels", dest="native_kernels", action="store_false",
                    help="CUDA, 8-bit KV: decode with the Triton kernel instead of the CUDA C++ one (built with nvcc "
                         "at export and at load)")
+    e.add_argument("--jobs", type=int,
+                   help="methods compiled at once, each in a worker process (default: one per CPU, or "
+                        "$ONECOPY_EXPORT_JOBS); 1: one after another in this process")
     e.set_defaults(fn=_cmd_export)
 
     t = sub.add_parser("transcribe", help="transcribe WAV files as concurrent sessions (default: the embedded "

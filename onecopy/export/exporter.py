@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import shutil
 import sys
@@ -10,12 +11,13 @@ import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..bundle import (FORMAT_VERSION, MANIFEST, TOKENIZER, WEIGHTS, Manifest, MethodSpec, TensorSpec, dtype_name,
                       sha256, sha256_many, tensor_view)
-from ..errors import ExportError
+from ..errors import ExportError, OnecopyError
 from ..kernels.native import LIBRARY as NATIVE_LIBRARY
 from ..layouts import GROUPS
 from ..models import kv_quant
@@ -23,6 +25,7 @@ from ..models.base import MethodDef
 from ..models.quantize import DEFAULT_GROUP, QUANTIZE_MODES, pack_gguf, packed_layers, quantize_model
 from ..models.source import ModelSource, resolve_source
 from ..toolchain import pick_cxx
+from .compile_worker import CompileWorkers, Compiled, compile_jobs, compile_package, make_task
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +70,34 @@ class _Progress:
             self.bar.close()
 
 
+class _Clock:
+    """Seconds per export phase into ``timings`` (when given): ``phases`` in order, and what each adds."""
+
+    def __init__(self, timings: dict[str, Any] | None) -> None:
+        self.timings = timings
+        self.start = self.last = time.perf_counter()
+        if timings is not None:
+            timings.setdefault("phases", {})
+
+    def lap(self, phase: str, detail: dict[str, Any] | None = None) -> None:
+        now = time.perf_counter()
+        if self.timings is not None:
+            self.timings["phases"][phase] = round(now - self.last, 3)
+            if detail:
+                self.timings.setdefault("detail", {})[phase] = detail
+        self.last = now
+
+    def done(self) -> None:
+        if self.timings is not None:
+            self.timings["total"] = round(time.perf_counter() - self.start, 3)
+
+
 def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_len: int | None = None,
            dtype: torch.dtype | str | None = None, device: str = "cpu", methods: Sequence[str] | None = None,
            embed_weights: Sequence[str] = (), overwrite: bool = False, progress: bool = True,
            kv_block: int | None = DEFAULT_KV_BLOCK, dequantize: bool | None = None, quantize: str | None = None,
-           group_size: int = DEFAULT_GROUP, kv_dtype: str | None = None, native_kernels: bool = True) -> Path:
+           group_size: int = DEFAULT_GROUP, kv_dtype: str | None = None, native_kernels: bool = True,
+           jobs: int | None = None, timings: dict[str, Any] | None = None) -> Path:
     """Export ``source`` into a bundle at ``out_dir`` and return its path.
 
     ``max_seq_len`` defaults to the family's natural bound (Llama: min(2048, the model's context);
@@ -98,6 +124,11 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
     ``native_ops`` and the runtime loads it first. False keeps the Triton kernel (the comparison).
     ``progress``: a bar of the export's steps on stderr, with its notes (the source being read, GGUF layers
     kept float) above it; without it the notes are logged at INFO (`progress_note`).
+    ``jobs``: how many methods compile at once, each in a worker process (`export.compile_worker`); None: one
+    per CPU (at most one per method), or $ONECOPY_EXPORT_JOBS; 1 compiles them one after another in this
+    process. The bundle is the same either way.
+    ``timings``: a dict to fill with seconds per export phase (and Inductor's own timers per method), for
+    benchmarks/export_time.py.
     """
     out = Path(out_dir)
     if out.exists() and not overwrite:
@@ -127,7 +158,12 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
     if quantize is not None and group_size not in GROUPS:
         raise ExportError(f"group size {group_size} is not supported; use one of {', '.join(map(str, GROUPS))} "
                           "(--group-size)")
+    if jobs is not None and not (isinstance(jobs, int) and jobs >= 1):
+        raise ExportError(f"jobs={jobs!r} must be a positive number of compile workers (--jobs); 1 compiles the "
+                          "methods one after another")
     bar = _Progress(0, False)
+    clock = _Clock(timings)
+    workers = None
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -163,37 +199,88 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
                               f"{', '.join(available)} (embed_weights must name exported methods)")
         bar = _Progress(2 * len(methods) + 3, progress)
         bar.done()  # the source is read
+        clock.lap("read and build")
         (tmp / "methods").mkdir(parents=True)
         cxx = pick_cxx()
+        n_jobs = compile_jobs(jobs, len(methods))
+        workers = CompileWorkers(n_jobs) if n_jobs > 1 else None  # they start up while the methods are traced
         declared = set(model.state_fqns())
-        exported = {}
-        for name in methods:  # every method is traced (and checked) before any is compiled
+        configs = {name: _inductor_configs(cxx, name in embed_weights) for name in methods}
+        weights = None
+        if workers is not None and device == "cpu":
+            # CPU weights go to the workers by name in the weights file (mapped, not copied): write it first.
+            weights = _write_weights(tmp, model)
+            clock.lap("write weights")
+        exported, libraries = {}, {}
+        where = {name: "in the exporting process" for name in methods}
+        for name in methods:  # every method is traced (and checked) before the export goes on
             bar.step(f"export {name}")
             exported[name] = _export_method(available[name], name, declared)
+            ep = exported[name][0]
+            libraries[name] = op_libraries(ep, (NATIVE_LIBRARY,))
+            clock.lap(f"trace {name}")
+            if workers is not None:  # it compiles while the next is traced (a failed check below kills it)
+                try:
+                    task = make_task(name, ep, _package(tmp, name), configs[name], libraries[name],
+                                     weights and {k: v for k, (v, _) in weights.items()}, tmp / WEIGHTS, n_jobs)
+                except Exception as e:  # torch.export.save cannot write it (2.13: a program without outputs)
+                    where[name] = f"in the exporting process: not serializable ({type(e).__name__}: {e})"[:300]
+                else:
+                    workers.submit(task)
+                    where[name] = "in a worker"
+                clock.lap(f"send {name}")
             bar.done()
         written = {f for _, writes in exported.values() for f in writes}
         if written != declared and set(methods) == set(available):
             raise ExportError(f"the methods never write the declared state {sorted(declared - written)[:4]}; "
                               "refusing to write a bundle whose state declaration is wrong")
-        specs = {}
-        for name, (ep, writes) in exported.items():
-            bar.step(f"compile {name}")
-            specs[name] = _compile_method(ep, available[name], name, tmp, cxx, name in embed_weights, writes)
-            bar.done()
+        compiled = {}
+        for name, (ep, _) in exported.items():  # in this process: all (jobs=1), or what no worker could take
+            if where[name] != "in a worker":
+                bar.step(f"compile {name}")
+                compiled[name] = _compile(ep, name, tmp, configs[name])
+                bar.done()
+        if workers is not None:
+            if weights is None:  # CUDA: while the workers compile
+                weights = _write_weights(tmp, model)
+                clock.lap("write weights")
+            left = [name for name in methods if name not in compiled]
+
+            def finished(name: str) -> None:
+                left.remove(name)
+                bar.done()
+                if left:
+                    bar.step(f"compile {', '.join(left)}")
+
+            if left:
+                bar.step(f"compile {', '.join(left)}")
+            compiled.update(workers.wait(finished))
+            workers.close()
+        clock.lap("compile", {name: {"seconds": c.seconds, "received": c.received, "where": where[name],
+                                     "inductor": c.phases} for name, c in compiled.items()})
+        specs = {name: _method_spec(available[name], name, tmp, name in embed_weights, writes, compiled[name],
+                                    libraries[name]) for name, (_, writes) in exported.items()}
         bar.step("write bundle")
-        _write_bundle(tmp, src, model, specs, max_seq_len, dtype, device, cxx, sources)
+        if weights is None:
+            weights = _write_weights(tmp, model)
+            clock.lap("write weights")
+        _write_bundle(tmp, src, model, specs, max_seq_len, dtype, device, cxx, sources, weights)
         bar.done()
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
+        clock.lap("write bundle")
         bar.step("done")
         bar.done()
         return out
     except BaseException:
+        if workers is not None:
+            workers.close(kill=True)  # before the partial bundle goes: nothing writes into it afterwards
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         bar.close()
+        clock.done()
 
 
 def _check_fp8_device(device: str, option: str) -> None:
@@ -237,19 +324,103 @@ def _export_method(method: MethodDef, name: str, declared: set[str]) -> tuple[to
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ep = torch.export.export(method.module, method.args, dynamic_shapes=method.dynamic_shapes, strict=False)
-        # torch keeps in-place writes in the graph; the decomposed signature names them.
-        sig = ep.run_decompositions().graph_signature
-    if sig.buffers_to_mutate:
-        raise ExportError(f"method {name!r} mutates the buffers {sorted(sig.buffers_to_mutate.values())[:4]} in place; "
+        # torch keeps in-place writes in the graph: read them off it (`written_inputs`), or, for a graph that
+        # calls what that does not see through, off the signature of the functionalized (decomposed) program.
+        found = written_inputs(ep)
+        if found is None:
+            sig = ep.run_decompositions().graph_signature
+            found = (sig.user_inputs, list(sig.user_inputs_to_mutate.values()), list(sig.buffers_to_mutate.values()))
+    user_inputs, written_users, written_constants = found
+    if written_constants:
+        raise ExportError(f"method {name!r} mutates the buffers {sorted(written_constants)[:4]} in place; "
                           "state must be declared and passed as a pool (state_specs), or sessions would share it")
     n_user = len(method.args) - len(method.state)  # user inputs and rows come first, then the pools
     writes = set()
-    for input_name in sig.user_inputs_to_mutate.values():
-        i = sig.user_inputs.index(input_name)
+    for input_name in written_users:
+        i = user_inputs.index(input_name)
         if i < n_user:
             raise ExportError(f"method {name!r} writes into its input #{i} in place; only state pools may be written")
         writes.add(method.state[i - n_user])
     return ep, writes
+
+
+def written_inputs(ep: torch.export.ExportedProgram) -> tuple[list[str], list[str], list[str]] | None:
+    """The inputs ``ep`` writes in place, read off its (not functionalized) graph: (the user inputs' names in
+    order, the user inputs written, the parameters/buffers written), as the signature of
+    ``ep.run_decompositions()`` names them (`tests/test_export_time.py` checks the two agree), without its
+    trace of the whole program again (19-23 s a method for SmolLM2 on 2 cores).
+
+    An operator writes the arguments its schema marks ``(a!)``; an argument is an input's memory when its
+    traced value shares the input's storage (a view of it, at any depth); a ``torch.cond`` writes what its
+    branches write of their operands. None when the graph calls something else whose writes no schema tells
+    (another higher-order op, a Python callable taking tensors): then the caller asks functionalization.
+    """
+    from torch.export.graph_signature import InputKind
+
+    found = _written_placeholders(ep.graph_module)
+    if found is None:
+        return None
+    placeholders = [node.name for node in ep.graph.nodes if node.op == "placeholder"]
+    written = {placeholders[i] for i in found}
+    spec_of = {spec.arg.name: spec for spec in ep.graph_signature.input_specs if hasattr(spec.arg, "name")}
+    users = list(ep.graph_signature.user_inputs)
+    constants = [spec_of[n].target for n in written
+                 if spec_of[n].kind in (InputKind.BUFFER, InputKind.PARAMETER, InputKind.CONSTANT_TENSOR)]
+    return users, [n for n in users if n in written], constants
+
+
+def _written_placeholders(gm: torch.fx.GraphModule) -> set[int] | None:
+    """The positions of the placeholders ``gm``'s graph writes in place (`written_inputs`), or None."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def storage(node: object) -> StorageWeakRef | None:
+        value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
+
+    inputs: dict[StorageWeakRef, list[int]] = {}
+    written: set[int] = set()
+
+    def write(nodes: list) -> bool:  # False: a written value whose memory is not known
+        for node in nodes:
+            if (s := storage(node)) is None:
+                return False
+            written.update(inputs.get(s, ()))
+        return True
+
+    position = 0
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if (s := storage(node)) is not None:
+                inputs.setdefault(s, []).append(position)
+            position += 1
+        if node.op != "call_function":
+            continue
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            for i, arg in enumerate(target._schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    if not write(_flat_nodes(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))):
+                        return None
+        elif target is torch.ops.higher_order.cond and len(node.args) == 4 and not node.kwargs:
+            _, *branches, operands = node.args  # cond(pred, true_fn, false_fn, operands)
+            for branch in branches:
+                inner = _written_placeholders(gm.get_submodule(branch.target)) if isinstance(branch, torch.fx.Node) else None
+                if inner is None or not write([operands[i] for i in inner]):
+                    return None
+        elif target is not operator.getitem and any(storage(a) is not None for a in _flat_nodes((node.args, node.kwargs))):
+            return None  # takes tensors, writes who knows what
+    return written
+
+
+def _flat_nodes(value: object) -> list[torch.fx.Node]:
+    """The fx nodes in a (nested) argument."""
+    if isinstance(value, torch.fx.Node):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [n for v in value for n in _flat_nodes(v)]
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in _flat_nodes(v)]
+    return []
 
 
 # AOTInductor settings for a weightless package: every parameter stays a named constant the runtime
@@ -257,22 +428,34 @@ def _export_method(method: MethodDef, name: str, declared: set[str]) -> tuple[to
 EXTERNAL_WEIGHTS = {"always_keep_tensor_constants": True, "aot_inductor.package_constants_in_so": False}
 
 
-def _compile_method(ep: torch.export.ExportedProgram, method: MethodDef, name: str, tmp: Path, cxx: str, embed: bool,
-                    writes: set[str]) -> MethodSpec:
-    pkg = tmp / "methods" / f"{name}.pt2"
-    configs: dict = {"cpp.cxx": (cxx,)}
+def _inductor_configs(cxx: str, embed: bool) -> dict[str, Any]:
+    configs: dict[str, Any] = {"cpp.cxx": (cxx,)}
     if not embed:
         configs.update(EXTERNAL_WEIGHTS)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch._inductor.aoti_compile_and_package(ep, package_path=str(pkg), inductor_configs=configs)
-    # What the compiled package really reads (unused parameters are dropped), not the signature.
-    constants = sorted(torch._inductor.aoti_load_package(str(pkg)).get_constant_fqns())
+    return configs
+
+
+def _package(tmp: Path, name: str) -> Path:
+    return tmp / "methods" / f"{name}.pt2"
+
+
+def _compile(ep: torch.export.ExportedProgram, name: str, tmp: Path, configs: dict[str, Any]) -> Compiled:
+    """Compile one method in this process; a failure is an ExportError naming it."""
+    try:
+        return compile_package(ep, _package(tmp, name), configs)
+    except OnecopyError:
+        raise
+    except Exception as e:
+        raise ExportError(f"compiling method {name!r} failed: {type(e).__name__}: {e}") from e
+
+
+def _method_spec(method: MethodDef, name: str, tmp: Path, embed: bool, writes: set[str], compiled: Compiled,
+                 native_ops: list[str]) -> MethodSpec:
+    pkg = _package(tmp, name)
     return MethodSpec(name=name, package=f"methods/{name}.pt2", package_sha256=sha256(pkg.read_bytes()),
-                      weights="embedded" if embed else "external", inputs=method.inputs, constants=constants,
+                      weights="embedded" if embed else "external", inputs=method.inputs, constants=compiled.constants,
                       state=list(method.state), writes=sorted(writes), role=method.role,
-                      batch_invariant=method.batch_invariant, paged=method.paged,
-                      native_ops=op_libraries(ep, (NATIVE_LIBRARY,)))
+                      batch_invariant=method.batch_invariant, paged=method.paged, native_ops=native_ops)
 
 
 def op_libraries(ep: torch.export.ExportedProgram, libraries: Sequence[str]) -> list[str]:
@@ -288,13 +471,20 @@ def op_libraries(ep: torch.export.ExportedProgram, libraries: Sequence[str]) -> 
     return sorted(found)
 
 
-def _write_bundle(tmp: Path, src: ModelSource, model: torch.nn.Module, specs: dict[str, MethodSpec], max_seq_len: int,
-                  dtype: torch.dtype, device: str, cxx: str, sources: dict[str, str]) -> None:
+def _write_weights(tmp: Path, model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, str]]:
+    """Write the weight file; returns name -> (the CPU tensor written, its sha256)."""
     from safetensors.torch import save_file
 
     tensors = model.state_dict()  # tied weights appear once: the models reuse the embedding, no alias FQN
     weights = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     save_file(weights, str(tmp / WEIGHTS))
+    digests = sha256_many([tensor_view(v) for v in weights.values()])
+    return {k: (v, digest) for (k, v), digest in zip(weights.items(), digests)}
+
+
+def _write_bundle(tmp: Path, src: ModelSource, model: torch.nn.Module, specs: dict[str, MethodSpec], max_seq_len: int,
+                  dtype: torch.dtype, device: str, cxx: str, sources: dict[str, str],
+                  weights: dict[str, tuple[torch.Tensor, str]]) -> None:
     recurrent = set(getattr(model, "recurrent_state", list)())
     paged = set(getattr(model, "paged_state", list)())
     state = {k: TensorSpec(shape=list(shape), dtype=dtype_name(dt), init="zeros", recurrent=k in recurrent,
@@ -305,7 +495,7 @@ def _write_bundle(tmp: Path, src: ModelSource, model: torch.nn.Module, specs: di
         family=src.family, config=src.config.to_dict(), max_seq_len=max_seq_len, dtype=dtype_name(dtype),
         device_kind=device, methods=specs,
         weights={k: TensorSpec(shape=list(v.shape), dtype=dtype_name(v.dtype), sha256=digest)
-                 for (k, v), digest in zip(weights.items(), sha256_many([tensor_view(v) for v in weights.values()]))},
+                 for k, (v, digest) in weights.items()},
         state=state,
         tokenizer={"file": TOKENIZER, "bos_token_id": src.bos_token_id},
         generation={"eos_token_ids": src.eos_token_ids, "chat_template": src.chat_template, **src.generation},
