@@ -140,7 +140,9 @@ def test_a_program_sent_to_a_worker_compiles_to_the_same_results(tmp_path):
     from onecopy.toolchain import pick_cxx
 
     ep = _cond_program()
-    task = make_task("m", ep, tmp_path / "m.pt2", {"cpp.cxx": (pick_cxx(),)}, [], None, None)
+    # The weights file named but not written yet (CUDA: it is written while the workers compile): a task that
+    # sends nothing by name must not read it.
+    task = make_task("m", ep, tmp_path / "m.pt2", {"cpp.cxx": (pick_cxx(),)}, [], None, tmp_path / "later.safetensors")
     assert torch.export.load(io.BytesIO(task.program)).state_dict["w"].is_meta  # the tensors travel apart
     assert {kind for kind, _ in task.refs.values()} == {"value"}  # CPU, no weight file: by value
     compiled = run_task(task)

@@ -276,8 +276,9 @@ def run_task(task: Task) -> Compiled:
         light = torch.export.load(io.BytesIO(task.program))
     values = torch.load(io.BytesIO(task.values), weights_only=True)
     shared = pickle.loads(task.ipc) if task.ipc else []
-    mapped = _weights_views(task.weights_file, {r[1] for r in task.refs.values() if r[0] == "file"}) \
-        if task.weights_file else {}
+    by_name = {r[1] for r in task.refs.values() if r[0] == "file"}
+    # Only tensors sent by name read the weights file: on CUDA it is written while the workers compile.
+    mapped = _weights_views(task.weights_file, by_name) if by_name else {}
     slots = {slot: mapped[x] if kind == "file" else values[x] if kind == "value" else shared[x]
              for slot, (kind, x) in task.refs.items()}
     ep = _rebuilt(light, slots)

@@ -222,7 +222,8 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
             if workers is not None:  # it compiles while the next is traced (a failed check below kills it)
                 try:
                     task = make_task(name, ep, _package(tmp, name), configs[name], libraries[name],
-                                     weights and {k: v for k, (v, _) in weights.items()}, tmp / WEIGHTS, n_jobs)
+                                     weights and {k: v for k, (v, _) in weights.items()},
+                                     tmp / WEIGHTS if weights else None, n_jobs)
                 except Exception as e:  # torch.export.save cannot write it (2.13: a program without outputs)
                     where[name] = f"in the exporting process: not serializable ({type(e).__name__}: {e})"[:300]
                 else:
