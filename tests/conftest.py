@@ -22,6 +22,9 @@ from . import bundle_cache
 from .bundle_cache import cached_bundle
 
 TINY_MAX_SEQ_LEN = 64
+# Seconds an export that the cache misses may take (smollm2's takes ~2.5 min on 2 idle cores), on top of
+# the test's own timeout (pyproject.toml: timeout): the test's timer stops while it runs.
+EXPORT_TIMEOUT_S = 900
 
 
 @pytest.fixture(scope="session")
@@ -225,7 +228,47 @@ def wait_until(pred, timeout: float = 10.0) -> bool:
     return True
 
 
-# ---------------------------------------------------------------------------------------------- the bundle cache
+# -------------------------------------------------------------------------------- timeouts and the bundle cache
+
+_current_item: pytest.Item | None = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    global _current_item
+    _current_item = item
+    try:
+        yield
+    finally:
+        _current_item = None
+
+
+@contextlib.contextmanager
+def _export_timeout():
+    """An export the cache misses runs under a timer of its own (EXPORT_TIMEOUT_S), not the test's: the test's
+    timer (pytest-timeout) stops for it and starts afresh after it."""
+    item = _current_item
+    try:
+        from pytest_timeout import Settings, _get_item_settings
+
+        settings = _get_item_settings(item) if item is not None else None
+    except Exception:  # pytest-timeout absent or changed: the test's own timer goes on
+        settings = None
+    if settings is None or not settings.timeout or settings.func_only:
+        yield
+        return
+    hook = item.config.hook
+    hook.pytest_timeout_cancel_timer(item=item)
+    hook.pytest_timeout_set_timer(item=item, settings=Settings(EXPORT_TIMEOUT_S, *settings[1:]))
+    try:
+        yield
+    finally:
+        hook.pytest_timeout_cancel_timer(item=item)
+        hook.pytest_timeout_set_timer(item=item, settings=settings)
+
+
+bundle_cache.export_guard = _export_timeout
+
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     damaged = bundle_cache.check_entries_used()
