@@ -124,8 +124,12 @@ def test_deterministic_sessions_batched_equal_their_solo_runs(int8_bundle):
     prompts = [PROMPT, [7, 8, 9], list(range(100, 120))]
     with onecopy.Engine.load(int8_bundle, max_sessions=4, deterministic=True) as e:
         solo = [e.submit(p, sp, stop_ids=[]).result() for p, sp in zip(prompts, params)]
-        streams = [e.submit(p, sp, stop_ids=[]) for p, sp in zip(prompts, params)]  # decoded in one batch
+        stats = e.scheduler.stats
+        steps, rows = stats.decode_steps, stats.decode_rows
+        with e.lock:  # the loop admits all three together: decoded in one batch
+            streams = [e.submit(p, sp, stop_ids=[]) for p, sp in zip(prompts, params)]
         assert [s.result() for s in streams] == solo
+        assert stats.decode_rows - rows > stats.decode_steps - steps  # steps were shared: the runs were batched
 
 
 def test_snapshots_round_trip_and_refuse_another_kv_dtype(int8_bundle, tiny_bundle, tmp_path):

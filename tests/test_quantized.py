@@ -143,7 +143,12 @@ def test_packed_layers_are_recorded_stored_packed_and_reported(quantized, tiny_s
     assert "packed weights (as float)" in str(report)
 
 
-def test_a_bundle_with_an_unknown_layout_is_refused_and_nothing_is_loaded(quantized, tmp_path):
+def test_a_bundle_with_an_unknown_layout_is_refused_and_nothing_is_loaded(quantized, tmp_path, monkeypatch):
+    from onecopy.runtime import weights as weights_mod
+
+    loaded = []
+    real_load = weights_mod.WeightStore.load
+    monkeypatch.setattr(weights_mod.WeightStore, "load", lambda self, *a: (loaded.append(self), real_load(self, *a))[1])
     _, bundle, _ = quantized
     b = copy_bundle(bundle, tmp_path / "b")
     m = json.loads((b / "manifest.json").read_text())
@@ -156,6 +161,7 @@ def test_a_bundle_with_an_unknown_layout_is_refused_and_nothing_is_loaded(quanti
     (b / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(ManifestError, match="packed layer 'layers.0.attention.wo' does not match its weights"):
         onecopy.Engine.load(b)
+    assert loaded == []  # no weight reached the device
 
 
 def test_every_gguf_type_stays_packed_and_generates_like_the_dequantized_model(gguf_bundle, tiny_gguf):
