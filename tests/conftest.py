@@ -1,18 +1,30 @@
-"""Shared fixtures: every bundle is compiled once per test session."""
+"""Shared fixtures. Every bundle comes from the test bundle cache (`bundle_cache.cached_bundle`): exported once,
+reused by every module and by later runs while nothing that shapes it changes."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
+import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 import onecopy
-from onecopy.models.source import ModelSource, preset_source, resolve_source
+from onecopy.models.source import EMBEDDED_DEFAULT, EMBEDDED_WHISPER, ModelSource, preset_source, resolve_source
+
+from . import bundle_cache
+from .bundle_cache import cached_bundle
 
 TINY_MAX_SEQ_LEN = 64
+# Seconds an export that the cache misses may take (smollm2's takes ~2.5 min on 2 idle cores), on top of
+# the test's own timeout (pyproject.toml: timeout): the test's timer stops while it runs.
+EXPORT_TIMEOUT_S = 900
 
 
 @pytest.fixture(scope="session")
@@ -21,23 +33,20 @@ def tiny_source() -> ModelSource:
 
 
 @pytest.fixture(scope="session")
-def tiny_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_source: ModelSource) -> Path:
-    out = tmp_path_factory.mktemp("bundles") / "tiny"
-    return onecopy.export(tiny_source, out, max_seq_len=TINY_MAX_SEQ_LEN, progress=False)
+def tiny_bundle() -> Path:
+    return cached_bundle("tiny-llama", max_seq_len=TINY_MAX_SEQ_LEN)
 
 
 @pytest.fixture(scope="session")
-def tiny_rows_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_source: ModelSource) -> Path:
+def tiny_rows_bundle() -> Path:
     """The KV cache as one row of max_seq_len positions per session (no paged KV, no prefix cache)."""
-    out = tmp_path_factory.mktemp("bundles") / "tiny-rows"
-    return onecopy.export(tiny_source, out, max_seq_len=TINY_MAX_SEQ_LEN, kv_block=None, progress=False)
+    return cached_bundle("tiny-llama", max_seq_len=TINY_MAX_SEQ_LEN, kv_block=None)
 
 
 @pytest.fixture(scope="session")
-def fallback_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_source: ModelSource) -> Path:
+def fallback_bundle() -> Path:
     """prefill weightless, decode compiled the default way (carries its own weights)."""
-    out = tmp_path_factory.mktemp("bundles") / "fallback"
-    return onecopy.export(tiny_source, out, max_seq_len=TINY_MAX_SEQ_LEN, embed_weights=("decode",), progress=False)
+    return cached_bundle("tiny-llama", max_seq_len=TINY_MAX_SEQ_LEN, embed_weights=("decode",))
 
 
 @pytest.fixture
@@ -59,20 +68,78 @@ def smollm2_source() -> ModelSource:
 
 
 @pytest.fixture(scope="session")
-def smollm2_bundle(tmp_path_factory: pytest.TempPathFactory, smollm2_source: ModelSource) -> Path:
-    out = tmp_path_factory.mktemp("bundles") / "smollm2"
-    return onecopy.export(smollm2_source, out, max_seq_len=256, progress=False)
+def smollm2_bundle() -> Path:
+    return cached_bundle(EMBEDDED_DEFAULT, max_seq_len=256)
 
 
 def copy_bundle(src: Path, dst: Path) -> Path:
-    """A writable copy to damage (packages are symlinked: they are large and tests only read them)."""
-    dst.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.is_dir():
-            shutil.copytree(f, dst / f.name)
-        else:
-            shutil.copy(f, dst / f.name)
+    """A writable copy of a bundle, to damage or change (cached bundles are read-only: never write into one)."""
+    shutil.copytree(src, dst, copy_function=shutil.copyfile)  # contents only: the copy's files are writable
     return dst
+
+
+def export_through_cache(source, out_dir, *, overwrite: bool = False, progress: bool = True, **options) -> Path:
+    """`onecopy.export` for tests that export as a user would (the CLI, the API) without the cost: the same
+    export options give the cached bundle, copied to ``out_dir``. The refusals of `onecopy.export` stay its own:
+    an existing ``out_dir`` without ``overwrite``, and every bad option (nothing is cached for those, so the
+    real exporter runs and raises)."""
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        return bundle_cache._EXPORT(source, out, overwrite=False, progress=False, **options)  # its refusal
+    bundle = cached_bundle(source, **options)
+    if out.exists():
+        shutil.rmtree(out)
+    return copy_bundle(bundle, out)
+
+
+@pytest.fixture
+def exports_via_cache(monkeypatch: pytest.MonkeyPatch):
+    """`onecopy.export` (as tests and the CLI's `export` call it) goes through `export_through_cache`."""
+    from onecopy.export import exporter
+
+    monkeypatch.setattr(onecopy, "export", export_through_cache)
+    monkeypatch.setattr(exporter, "export", export_through_cache)  # what `onecopy export` calls
+
+
+@dataclass
+class CliResult:
+    """What `run_cli` saw, as subprocess.run would report it."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    stdout_writes: list[str]  # each write to stdout, in order (a streamed reply arrives in several)
+
+
+class _Recording(io.StringIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[str] = []
+
+    def write(self, s: str) -> int:
+        self.writes.append(s)
+        return super().write(s)
+
+
+def run_cli(*args: str) -> CliResult:
+    """`onecopy ARGS` in this process: `onecopy.cli.main` with stdout and stderr captured, its exit status
+    (argparse's usage errors included) and the logging set-up it does undone afterwards."""
+    from onecopy.cli import main
+
+    out, err = _Recording(), io.StringIO()
+    root, log = logging.getLogger(), logging.getLogger("onecopy")
+    handlers, level = root.handlers[:], log.level
+    root.handlers = []  # main's logging.basicConfig installs its handler (on the captured stderr) only on a bare root
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as e:  # argparse: usage errors exit 2, --help 0
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        root.handlers = handlers
+        log.setLevel(level)
+    return CliResult(code, out.getvalue(), err.getvalue(), out.writes)
 
 
 def eager_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
@@ -113,8 +180,8 @@ def whisper_source():
 
 
 @pytest.fixture(scope="session")
-def whisper_bundle(tmp_path_factory: pytest.TempPathFactory, whisper_source) -> Path:
-    return onecopy.export(whisper_source, tmp_path_factory.mktemp("bundles") / "whisper", progress=False)
+def whisper_bundle() -> Path:
+    return cached_bundle(EMBEDDED_WHISPER)
 
 
 SPOKEN = "The quick brown fox jumps over the lazy dog."
@@ -123,7 +190,6 @@ SPOKEN = "The quick brown fox jumps over the lazy dog."
 @pytest.fixture(scope="session")
 def speech_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A WAV of SPOKEN made by espeak-ng (22.05 kHz: the transcriber resamples it)."""
-    import os
     import subprocess
 
     if shutil.which("espeak-ng") is None:
@@ -160,3 +226,69 @@ def wait_until(pred, timeout: float = 10.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+# -------------------------------------------------------------------------------- timeouts and the bundle cache
+
+_current_item: pytest.Item | None = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    global _current_item
+    _current_item = item
+    try:
+        yield
+    finally:
+        _current_item = None
+
+
+@contextlib.contextmanager
+def _export_timeout():
+    """An export the cache misses runs under a timer of its own (EXPORT_TIMEOUT_S), not the test's: the test's
+    timer (pytest-timeout) stops for it and starts afresh after it."""
+    item = _current_item
+    try:
+        from pytest_timeout import Settings, _get_item_settings
+
+        settings = _get_item_settings(item) if item is not None else None
+    except Exception:  # pytest-timeout absent or changed: the test's own timer goes on
+        settings = None
+    if settings is None or not settings.timeout or settings.func_only:
+        yield
+        return
+    hook = item.config.hook
+    hook.pytest_timeout_cancel_timer(item=item)
+    hook.pytest_timeout_set_timer(item=item, settings=Settings(EXPORT_TIMEOUT_S, *settings[1:]))
+    try:
+        yield
+    finally:
+        hook.pytest_timeout_cancel_timer(item=item)
+        hook.pytest_timeout_set_timer(item=item, settings=settings)
+
+
+bundle_cache.export_guard = _export_timeout
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    damaged = bundle_cache.check_entries_used()
+    session.config.stash[_DAMAGED] = damaged
+    if damaged:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    bundle_cache.prune()
+
+
+_DAMAGED = pytest.StashKey[list]()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    exported, used = bundle_cache.exports_run(), bundle_cache.entries_used()
+    if not used:
+        return
+    where = bundle_cache.cache_root() or "a temporary directory (ONECOPY_TEST_CACHE=off)"
+    line = (f"bundle cache {where}: {len(used)} bundles used, {len(exported)} exported this run"
+            + (f" ({', '.join(f'{n} {s:.0f}s' for n, s in exported)})" if exported else ""))
+    terminalreporter.write_line(line)
+    for name in config.stash.get(_DAMAGED, []):
+        terminalreporter.write_line(f"ERROR: a test wrote into the cached bundle {name} (removed; damage a "
+                                    "conftest.copy_bundle copy instead)", red=True)

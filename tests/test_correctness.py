@@ -42,12 +42,20 @@ def test_state_written_by_prefill_is_read_by_decode(tiny_engine):
     assert split == whole
 
 
-def test_chunked_prefill_equals_single_chunk(tiny_engine, monkeypatch):
+def test_chunked_prefill_equals_single_chunk(tiny_bundle):
+    """The 9-token prompt in one prefill call, and in calls of 4 tokens (an engine loaded with prefill_chunk=4):
+    the same tokens."""
     params = onecopy.SamplingParams(max_new_tokens=8)
-    whole = list(tiny_engine.open_session().generate_ids(PROMPT, params, stop_ids=[]))
-    monkeypatch.setattr(type(tiny_engine), "prefill_bound", property(lambda self: 4))
-    chunked = list(tiny_engine.open_session().generate_ids(PROMPT, params, stop_ids=[]))  # 4 + 4 + 1 (decode)
-    assert chunked == whole
+    runs = {}
+    for chunk in (None, 4):  # None: the default (512), the whole prompt at once
+        with onecopy.Engine.load(tiny_bundle, prefill_chunk=chunk) as engine:
+            stats = engine.scheduler.stats
+            before = stats.prefill_chunks
+            runs[chunk] = list(engine.open_session().generate_ids(PROMPT, params, stop_ids=[]))
+            runs[chunk, "chunks"] = stats.prefill_chunks - before
+    assert runs[None, "chunks"] == 1
+    assert 2 <= runs[4, "chunks"] <= 3  # 4 + 4 + 1 (or 4 + 4, the last token through decode)
+    assert runs[4] == runs[None]
 
 
 def test_prompt_longer_than_max_seq_len_is_refused_before_any_method_runs(tiny_engine, monkeypatch):

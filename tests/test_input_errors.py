@@ -1,14 +1,13 @@
 """Bad arguments to load, export, sampling, transcription and the CLI: each gets its own clear error."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import onecopy
 from onecopy.sampling import SamplingParams
 from onecopy.transcribe import Transcriber
+
+from .conftest import run_cli
 
 
 def test_engine_load_arguments(tiny_bundle):
@@ -45,9 +44,7 @@ def test_transcribing_with_an_llm_bundle(tiny_engine):
 
 
 def test_info_device_memory(tiny_bundle):
-    run = lambda *a: subprocess.run([sys.executable, "-m", "onecopy.cli", "info", str(tiny_bundle), *a],  # noqa: E731
-                                    capture_output=True, text=True, timeout=120)
-    ok = run("--device-memory", "80GiB")
+    ok = run_cli("info", tiny_bundle, "--device-memory", "80GiB")
     assert ok.returncode == 0 and "sessions fit in 80GiB" in ok.stdout and "4,096 MiB reserve" in ok.stdout
-    bad = run("--device-memory", "lots")
+    bad = run_cli("info", tiny_bundle, "--device-memory", "lots")
     assert bad.returncode == 2 and "cannot read size 'lots'; write it like 80GiB" in bad.stderr

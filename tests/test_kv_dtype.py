@@ -4,9 +4,6 @@ stores, how close the logits stay to a full-precision cache, and every runtime f
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -17,7 +14,8 @@ from onecopy.models import kv_quant
 from onecopy.models.source import preset_source
 from onecopy.sampling import SamplingParams
 
-from .conftest import TINY_MAX_SEQ_LEN
+from .bundle_cache import cached_bundle
+from .conftest import TINY_MAX_SEQ_LEN, run_cli
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0)
 PROMPT = list(range(3, 43))  # 40 tokens: two full blocks of 16 and a partial one
@@ -26,21 +24,23 @@ D, HKV, BS = CFG.head_dim, CFG.n_kv_heads, 16
 
 
 @pytest.fixture(scope="module", params=["int8", "fp8"])
-def kv_bundle(request, tmp_path_factory, tiny_source):
-    out = tmp_path_factory.mktemp("bundles") / f"tiny-kv-{request.param}"
-    return request.param, onecopy.export(tiny_source, out, max_seq_len=TINY_MAX_SEQ_LEN, kv_dtype=request.param,
-                                         progress=False)
+def kv_bundle(request):
+    return request.param, cached_bundle("tiny-llama", max_seq_len=TINY_MAX_SEQ_LEN, kv_dtype=request.param)
 
 
 @pytest.fixture(scope="module")
-def int8_bundle(tmp_path_factory):
-    """Exported by the command line, as a user would."""
-    out = tmp_path_factory.mktemp("bundles") / "tiny-kv-int8-cli"
-    r = subprocess.run([sys.executable, "-m", "onecopy.cli", "export", "tiny-llama", "--out", str(out), "--max-seq-len",
-                        str(TINY_MAX_SEQ_LEN), "--kv-dtype", "int8"], capture_output=True, text=True, timeout=900)
+def int8_bundle():
+    return cached_bundle("tiny-llama", max_seq_len=TINY_MAX_SEQ_LEN, kv_dtype="int8")  # kv_bundle's int8: one export
+
+
+def test_the_command_line_exports_an_8_bit_cache(tmp_path, exports_via_cache):
+    """`onecopy export --kv-dtype int8`, as a user would (the export options reach the exporter; the bundle
+    itself comes from the cache: the same options give the same bundle as int8_bundle's)."""
+    out = tmp_path / "tiny-kv-int8-cli"
+    r = run_cli("export", "tiny-llama", "--out", out, "--max-seq-len", TINY_MAX_SEQ_LEN, "--kv-dtype", "int8")
     assert r.returncode == 0, r.stderr
+    assert r.stdout == f"wrote {out}\n"
     assert read_manifest(out).state["layers.0.attention.k_cache"].dtype == "int8"
-    return out
 
 
 def _run(engine, prompt, steps):
@@ -62,8 +62,7 @@ def test_the_bundle_declares_8_bit_pools_and_their_scales(kv_bundle):
             assert (values.dtype, values.shape, values.paged) == (dtype, [HKV, BS, D], True)
             assert (scales.dtype, scales.shape, scales.paged) == ("float32", [HKV, BS], True)
     assert m.kv_dtype_description() == f"{dtype} values, a float32 scale per position and head"
-    r = subprocess.run([sys.executable, "-m", "onecopy.cli", "info", str(bundle)], capture_output=True, text=True,
-                       timeout=300)
+    r = run_cli("info", bundle)
     assert r.returncode == 0, r.stderr
     assert f"kv dtype      {dtype} values, a float32 scale per position and head" in r.stdout
 
@@ -125,8 +124,12 @@ def test_deterministic_sessions_batched_equal_their_solo_runs(int8_bundle):
     prompts = [PROMPT, [7, 8, 9], list(range(100, 120))]
     with onecopy.Engine.load(int8_bundle, max_sessions=4, deterministic=True) as e:
         solo = [e.submit(p, sp, stop_ids=[]).result() for p, sp in zip(prompts, params)]
-        streams = [e.submit(p, sp, stop_ids=[]) for p, sp in zip(prompts, params)]  # decoded in one batch
+        stats = e.scheduler.stats
+        steps, rows = stats.decode_steps, stats.decode_rows
+        with e.lock:  # the loop admits all three together: decoded in one batch
+            streams = [e.submit(p, sp, stop_ids=[]) for p, sp in zip(prompts, params)]
         assert [s.result() for s in streams] == solo
+        assert stats.decode_rows - rows > stats.decode_steps - steps  # steps were shared: the runs were batched
 
 
 def test_snapshots_round_trip_and_refuse_another_kv_dtype(int8_bundle, tiny_bundle, tmp_path):

@@ -8,8 +8,6 @@ dequantization is gguf's, `test_gguf_repack`). The CUDA kernels that read the pa
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,8 @@ from onecopy.models.packed import PackedEmbedding, as_float_weights, dequantize,
 from onecopy.models.quantize import pack_gguf, quantize_model, quantize_weight
 from onecopy.models.source import resolve_source
 
-from .conftest import TINY_MAX_SEQ_LEN, copy_bundle, eager_greedy, hf_greedy
+from .bundle_cache import cached_bundle
+from .conftest import TINY_MAX_SEQ_LEN, copy_bundle, eager_greedy, hf_greedy, run_cli
 from .gguf_writer import write_tiny_gguf
 
 PROMPT = [7, 3, 99, 250, 18, 42, 5, 300, 11]
@@ -33,11 +32,10 @@ QWEIGHT_DTYPES = {"int8": torch.int8, "int4": torch.uint8, "fp8": torch.float8_e
 
 
 @pytest.fixture(scope="module", params=list(MODES))
-def quantized(request, tmp_path_factory, tiny_source):
+def quantized(request, tiny_source):
     mode = request.param
     layout, group = MODES[mode]
-    out = onecopy.export(tiny_source, tmp_path_factory.mktemp("bundles") / mode, max_seq_len=TINY_MAX_SEQ_LEN,
-                         quantize=mode, group_size=group, progress=False)
+    out = cached_bundle("tiny-llama", max_seq_len=TINY_MAX_SEQ_LEN, quantize=mode, group_size=group)
     model = tiny_source.build(TINY_MAX_SEQ_LEN, torch.float32)
     quantize_model(model, mode, group)
     return mode, out, model
@@ -49,9 +47,9 @@ def tiny_gguf(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def gguf_bundle(tmp_path_factory, tiny_gguf) -> Path:
-    return onecopy.export(tiny_gguf, tmp_path_factory.mktemp("bundles") / "tiny-q", max_seq_len=TINY_MAX_SEQ_LEN,
-                          dequantize=False, progress=False)  # packed on CPU too (the CPU default is floats)
+def gguf_bundle(tiny_gguf) -> Path:
+    return cached_bundle(tiny_gguf, max_seq_len=TINY_MAX_SEQ_LEN, dequantize=False)  # packed on CPU too (the CPU
+    # default is floats)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -146,7 +144,12 @@ def test_packed_layers_are_recorded_stored_packed_and_reported(quantized, tiny_s
     assert "packed weights (as float)" in str(report)
 
 
-def test_a_bundle_with_an_unknown_layout_is_refused_and_nothing_is_loaded(quantized, tmp_path):
+def test_a_bundle_with_an_unknown_layout_is_refused_and_nothing_is_loaded(quantized, tmp_path, monkeypatch):
+    from onecopy.runtime import weights as weights_mod
+
+    loaded = []
+    real_load = weights_mod.WeightStore.load
+    monkeypatch.setattr(weights_mod.WeightStore, "load", lambda self, *a: (loaded.append(self), real_load(self, *a))[1])
     _, bundle, _ = quantized
     b = copy_bundle(bundle, tmp_path / "b")
     m = json.loads((b / "manifest.json").read_text())
@@ -159,6 +162,7 @@ def test_a_bundle_with_an_unknown_layout_is_refused_and_nothing_is_loaded(quanti
     (b / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(ManifestError, match="packed layer 'layers.0.attention.wo' does not match its weights"):
         onecopy.Engine.load(b)
+    assert loaded == []  # no weight reached the device
 
 
 def test_every_gguf_type_stays_packed_and_generates_like_the_dequantized_model(gguf_bundle, tiny_gguf):
@@ -190,10 +194,8 @@ def test_requantizing_a_quantized_gguf_needs_dequantize(tmp_path, tiny_gguf):
         onecopy.export(tiny_gguf, tmp_path / "x", quantize="int4", dequantize=False, progress=False)
 
 
-def test_cli_export_options_and_info(tmp_path, tiny_gguf, gguf_bundle):
-    def cli(*args):
-        return subprocess.run([sys.executable, "-m", "onecopy.cli", *args], capture_output=True, text=True, timeout=600)
-
+def test_cli_export_options_and_info(tmp_path, tiny_gguf, gguf_bundle, exports_via_cache):
+    cli = run_cli  # the export below: its options reach the exporter, the bundle comes from the cache
     r = cli("export", "tiny-llama", "--out", str(tmp_path / "x"), "--quantize", "int4", "--group-size", "48")
     assert r.returncode == 2 and "--group-size: invalid choice: 48" in r.stderr
     r = cli("info", str(gguf_bundle))

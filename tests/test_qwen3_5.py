@@ -1,6 +1,6 @@
 """Qwen3.5 (dense ``qwen3_5`` and MoE ``qwen3_5_moe``): the eager model against transformers, chunked
 prefill, the HF loader, and exported bundles served by the Engine (compiled = eager, session isolation,
-snapshots). Each bundle is compiled once per test session."""
+snapshots). Each bundle comes from the test bundle cache (exported once)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from onecopy.models.qwen3_5_config import LINEAR
 from onecopy.models.qwen3_5_convert import hf_config_from_qwen3_5
 from onecopy.models.source import ModelSource, preset_source, resolve_source
 
+from .bundle_cache import cached_bundle
+
 VARIANTS = ["tiny-qwen3.5", "tiny-qwen3.5-moe"]
 MAX_SEQ_LEN = 64
 PROMPT = [5, 9, 33, 2, 71, 8, 100, 3, 250]
@@ -28,23 +30,14 @@ def q35_source(request) -> ModelSource:
     return preset_source(request.param)
 
 
-@pytest.fixture(scope="session")
-def q35_bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Both variants exported once (lazily, on first use)."""
-    return {}
-
-
-def _bundle(bundles: dict[str, Path], src: ModelSource, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if src.name not in bundles:
-        out = tmp_path_factory.mktemp("bundles") / src.name
-        bundles[src.name] = onecopy.export(src, out, max_seq_len=MAX_SEQ_LEN, progress=False)
-    return bundles[src.name]
+def _bundle(src: ModelSource) -> Path:
+    return cached_bundle(src.name, max_seq_len=MAX_SEQ_LEN)  # a preset: the name says it all
 
 
 @pytest.fixture
-def q35_engine(q35_source, q35_bundles, tmp_path_factory):
+def q35_engine(q35_source):
     """Deterministic engine, prompts prefilled 4 tokens per call (chunks interleave with decode steps)."""
-    bundle = _bundle(q35_bundles, q35_source, tmp_path_factory)
+    bundle = _bundle(q35_source)
     with onecopy.Engine.load(bundle, max_sessions=4, deterministic=True, prefill_chunk=4) as engine:
         yield engine
 
@@ -218,7 +211,10 @@ def test_concurrent_sessions_equal_solo_bit_for_bit(q35_engine):
     each one's tokens and final state rows equal its run alone, bit for bit."""
     solo = {k: _run_alone(q35_engine, p, sp) for k, (p, sp) in REQUESTS.items()}
     sessions = {k: q35_engine.open_session() for k in REQUESTS}
-    streams = {k: sessions[k].submit(p, sp, stop_ids=[]) for k, (p, sp) in REQUESTS.items()}
+    stats = q35_engine.scheduler.stats
+    steps, rows = stats.decode_steps, stats.decode_rows
+    with q35_engine.lock:  # admitted together: the three generate at once
+        streams = {k: sessions[k].submit(p, sp, stop_ids=[]) for k, (p, sp) in REQUESTS.items()}
     try:
         for k, stream in streams.items():
             assert stream.result(timeout=300) == solo[k][0], k
@@ -227,6 +223,7 @@ def test_concurrent_sessions_equal_solo_bit_for_bit(q35_engine):
     finally:
         for s in sessions.values():
             s.close()
+    assert stats.decode_rows - rows > stats.decode_steps - steps  # decode steps were shared
     assert len({tuple(ids) for ids, _ in solo.values()}) == len(REQUESTS)
 
 
@@ -270,7 +267,7 @@ def test_recurrent_state_never_runs_overlapped(q35_engine):
         assert s.submit([5, 9, 33] + first[:-1] + [free[4], 40], GREEDY, stop_ids=[]).result(timeout=300) == more
 
 
-def test_moe_decode_reads_only_the_routed_experts(q35_bundles, tmp_path_factory):
+def test_moe_decode_reads_only_the_routed_experts():
     """In the compiled MoE decode the expert weights are read only by fused kernels that take the routing
     indices (gathers inside the reductions: N x top_k experts' bytes a step); no GEMM runs over all of them.
     Prefill, many tokens at once, runs every expert densely (each expert's weights read once per chunk)."""
@@ -278,7 +275,7 @@ def test_moe_decode_reads_only_the_routed_experts(q35_bundles, tmp_path_factory)
     import zipfile
 
     src = preset_source("tiny-qwen3.5-moe")
-    bundle = _bundle(q35_bundles, src, tmp_path_factory)
+    bundle = _bundle(src)
 
     def wrapper(method):
         with zipfile.ZipFile(bundle / "methods" / f"{method}.pt2") as z:

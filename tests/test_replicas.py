@@ -2,6 +2,7 @@
 official openai client and httpx. One cluster for the module; the app is redeployed per model."""
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,9 +29,25 @@ GREEDY = dict(temperature=0, max_tokens=6)
 
 
 def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port for Ray Serve's proxy, which binds the port it is given (port 0 would give one nobody can
+    read back). Not one the kernel picked for port 0 and released: the kernel hands that range out again to
+    any connection or port-0 bind (Ray's own among them) before the proxy binds it. A port below that range
+    and above Ray's worker ports (10002-19999), free now, is taken only by a process that names it."""
+    try:
+        top = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        top = 32768
+    low, top = (20000, top) if top > 20100 else (20000, 32768)
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(low, top)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {low}..{top}")
 
 
 def _client(url):

@@ -2,8 +2,8 @@
 
 import asyncio
 import json
+import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -166,7 +166,8 @@ def test_clients_beyond_capacity_complete_or_get_429(tiny_server):
 def test_a_client_that_disconnects_frees_its_row(tiny_server):
     engine = tiny_server.engine
     real = engine.runner.decode
-    engine.runner.decode = lambda *a, **k: (time.sleep(0.02), real(*a, **k))[1]
+    steps = []
+    engine.runner.decode = lambda *a, **k: (steps.append(1), time.sleep(0.02), real(*a, **k))[2]
     body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 60, "temperature": 0, "stream": True}
     with httpx.Client(timeout=30) as http, http.stream("POST", tiny_server.url + "/v1/completions", json=body) as r:
         events = 0
@@ -175,9 +176,9 @@ def test_a_client_that_disconnects_frees_its_row(tiny_server):
             if events == 3:
                 assert engine.capacity() == 1
                 break
-    t0 = time.monotonic()
-    assert _wait_until(lambda: engine.capacity() == 2 and engine.scheduler.running == 0, timeout=5)
-    assert time.monotonic() - t0 < 1.0  # freed at once, not after the 60 tokens (1.2 s)
+    assert _wait_until(lambda: engine.capacity() == 2 and engine.scheduler.running == 0, timeout=30)
+    # Freed at once, not after the 60 tokens: counted in decode steps, which a loaded machine slows down too.
+    assert len(steps) < 45, len(steps)
     assert engine.scheduler.stats.requests_finished["cancelled"] == 1
 
 
@@ -277,20 +278,24 @@ def test_conversation_reuse_gives_the_same_replies(smol_engine, smollm2_bundle):
     assert _wait_until(lambda: smol_engine.sessions_open == 0)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_cli_drains_on_sigterm(tiny_bundle):
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "onecopy.cli", "serve", "--bundle", str(tiny_bundle), "--port",
-                             str(port), "--grace", "5", "--model-name", "tiny"],
+    """A process of its own (SIGTERM goes to the process). --port 0: the OS picks a free port, which the
+    server's log names (no port picked by us and released before the server binds it: a race)."""
+    proc = subprocess.Popen([sys.executable, "-m", "onecopy.cli", "serve", "--bundle", str(tiny_bundle), "--port", "0",
+                             "--grace", "5", "--model-name", "tiny"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)  # until the process ends
+    reader.start()
+
+    def bound_url():
+        found = [m for line in list(lines) if (m := re.search(r"Uvicorn running on (http://\S+:\d+)", line))]
+        return found[0].group(1) if found else None
+
     try:
-        url = f"http://127.0.0.1:{port}"
-        assert _wait_until(lambda: _up(url), timeout=120), proc.stderr.read() if proc.poll() is not None else ""
+        assert _wait_until(lambda: bound_url() or proc.poll() is not None, timeout=120) and bound_url(), "".join(lines)
+        url = bound_url()
+        assert _up(url)
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         stream = client.completions.create(model="tiny", prompt=[1, 2], max_tokens=40, temperature=0, stream=True)
         first = next(iter(stream))
@@ -302,6 +307,7 @@ def test_serve_cli_drains_on_sigterm(tiny_bundle):
     finally:
         if proc.poll() is None:
             proc.kill()
+        proc.wait()
 
 
 def _up(url):

@@ -1,7 +1,5 @@
 """Whisper as an encoder-decoder bundle: transcripts equal transformers' model token for token."""
 
-import subprocess
-import sys
 import wave
 
 import numpy as np
@@ -13,7 +11,7 @@ from onecopy.audio import AudioError, LogMel, load_audio, read_wav, resample
 from onecopy.runtime import method as method_mod
 from onecopy.transcribe import Transcriber, transcribe_file, transcribe_files
 
-from .conftest import HostReads
+from .conftest import HostReads, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -99,12 +97,10 @@ def test_several_files_transcribe_as_concurrent_sessions(whisper_bundle, speech_
 
 
 def test_cli_transcribe(whisper_bundle, speech_wav):
-    r = subprocess.run([sys.executable, "-m", "onecopy.cli", "transcribe", "--bundle", str(whisper_bundle),
-                        str(speech_wav)], capture_output=True, text=True, timeout=300)
+    r = run_cli("transcribe", "--bundle", whisper_bundle, speech_wav)
     assert r.returncode == 0, r.stderr
     assert "lazy dog" in r.stdout.lower()
-    r = subprocess.run([sys.executable, "-m", "onecopy.cli", "transcribe", "--bundle", str(whisper_bundle),
-                        str(speech_wav), str(speech_wav)], capture_output=True, text=True, timeout=300)
+    r = run_cli("transcribe", "--bundle", whisper_bundle, speech_wav, speech_wav)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 2 and all(line.startswith(f"{speech_wav}: ") and "lazy dog" in line.lower() for line in lines)
