@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import resource
@@ -181,6 +182,9 @@ def main() -> None:
     a, extra = ap.parse_known_args()
     kwargs = _passthrough(extra)
     if a.child:
+        # Each phase on stderr as it ends: a run cut off by a timeout still shows where its time went.
+        logging.basicConfig(format="%(asctime)s %(message)s", stream=sys.stderr)
+        logging.getLogger("onecopy.export").setLevel(logging.INFO)
         print("RESULT " + json.dumps(_child(a, kwargs)), flush=True)
         return
 

@@ -81,6 +81,7 @@ class _Clock:
 
     def lap(self, phase: str, detail: dict[str, Any] | None = None) -> None:
         now = time.perf_counter()
+        log.info("export: %s took %.1f s (%.1f s in all)", phase, now - self.last, now - self.start)  # as it happens
         if self.timings is not None:
             self.timings["phases"][phase] = round(now - self.last, 3)
             if detail:
