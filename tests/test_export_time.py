@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -53,6 +54,7 @@ def _greedy(bundle: Path, n: int = 12) -> list[int]:
 def test_parallel_compile_makes_the_serial_bundle(parallel_bundle, serial_bundle):
     par, ser = _manifest(parallel_bundle), _manifest(serial_bundle)
     assert par == ser  # methods (constants, writes, inputs ...), weights and their hashes, state, tokenizer
+    assert list(par["methods"]) == list(ser["methods"])  # in the order asked for, whatever order they traced in
     assert _greedy(parallel_bundle) == _greedy(serial_bundle)
 
 
@@ -181,6 +183,23 @@ def test_gpu_benchmarks_of_the_workers_take_turns(tmp_path):
     compile_worker._benchmark_alone(str(lock), bench)
     assert bench.benchmark_gpu(lock_is_held) and bench.benchmark_gpu_with_cuda_graph(lock_is_held)
     assert not lock_is_held()
+
+
+def test_the_longest_compile_is_traced_first():
+    defs = {name: SimpleNamespace(role=role, batch_invariant=inv) for name, role, inv in
+            [("prefill", "prefill", False), ("decode", "decode", False), ("decode_invariant", "decode", True)]}
+    assert exporter.trace_order(["prefill", "decode", "decode_invariant"], defs) == \
+        ["decode_invariant", "decode", "prefill"]
+    assert exporter.trace_order(["decode", "prefill"], defs) == ["decode", "prefill"]
+
+
+def test_the_cuda_wrapper_compiles_at_o0_unless_the_user_says(monkeypatch):
+    monkeypatch.delenv(exporter.WRAPPER_OPT_ENV, raising=False)
+    key = "aot_inductor.compile_wrapper_opt_level"
+    assert exporter._inductor_configs("g++", False, "cuda")[key] == "O0"
+    assert key not in exporter._inductor_configs("g++", False, "cpu")  # CPU decode runs the wrapper every step
+    monkeypatch.setenv(exporter.WRAPPER_OPT_ENV, "O1")  # read by torch's config: it decides
+    assert key not in exporter._inductor_configs("g++", False, "cuda")
 
 
 def test_compile_jobs(monkeypatch):
