@@ -58,7 +58,7 @@ def test_copy_on_write_keeps_the_holders_blocks_on_cuda(paged_bundle):
         before = {k: v[:, :holder.session.position].clone() for k, v in holder.session.state.items()}
         other = engine.submit(prompt, onecopy.SamplingParams(max_new_tokens=30, temperature=1.0, seed=5))
         other.result()
-        assert other.cached_tokens == 191 and engine.runner.blocks.copies >= 1
+        assert other.cached_tokens == 191 and engine.scheduler.kv.copies >= 1
         after = holder.session.state
         for k, v in before.items():
             assert torch.equal(v, after[k][:, :v.shape[1]]), k
