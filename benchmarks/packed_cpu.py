@@ -1,5 +1,5 @@
 """Packed vs float GGUF weights on the CPU: SmolLM2's decode with its Q4_1/Q8_0 layers kept packed
-(dequantized in the graph at every call) next to the same model exported with float32 weights.
+(read packed by the C++ kernel, `kernels.cpu`) next to the same model exported with float32 weights.
 
 Usage (from the repository root):
     python benchmarks/packed_cpu.py --out benchmarks/results/packed_cpu_smollm2.json
@@ -7,8 +7,8 @@ Usage (from the repository root):
 Both bundles are exported into --work (reused when present), then loaded one after the other; each
 greedily generates --new-tokens tokens from the same chat prompt, three times; reported: the median
 ms per generated token (prefill included, as `onecopy run` pays it), device (host) weight bytes,
-and whether both produced the same tokens. This is why CPU exports keep GGUF weights as floats by
-default (`export(..., dequantize=None)`).
+and whether both produced the same tokens. The issue's goal: packed <= 1.1x the float time per token,
+resident weights <= 130 MB; CPU exports keep GGUF weights packed by default.
 """
 
 from __future__ import annotations

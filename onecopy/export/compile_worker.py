@@ -9,7 +9,7 @@ $ONECOPY_EXPORT_JOBS=1) compiles them one after another in the exporting process
 Workers are fresh interpreters (``python -c`` `_WORKER_MAIN`, as Inductor starts its own compile workers):
 the exporting process may hold CUDA, which a forked child cannot use, and a script without a ``__main__``
 guard is not run again. They import onecopy, which defines the Triton ops (`kernels.ops`); a task names the
-other op libraries its program calls (`kernels.native`), loaded before the program is read. They share
+other op libraries its program calls (`kernels.native`, `kernels.cpu`), loaded before the program is read. They share
 Inductor's and Triton's on-disk caches with the exporting process (same user, same environment): a kernel
 one method compiled is reused by the others and by later exports.
 
@@ -261,10 +261,11 @@ def _weights_views(path: str, names: set[str]) -> dict[str, torch.Tensor]:
 def run_task(task: Task) -> Compiled:
     """Rebuild the task's program and compile it (in a worker)."""
     if task.libraries:
-        from ..kernels import native
+        from ..kernels import cpu, native  # importing kernels.cpu defines its op (compiling needs no C++ build)
 
         if native.LIBRARY in task.libraries:
             native.load()
+        assert set(task.libraries) <= {native.LIBRARY, cpu.LIBRARY}, task.libraries
     start = time.perf_counter()
     if task.gpu_lock and torch.cuda.is_available():
         _benchmark_alone(task.gpu_lock)

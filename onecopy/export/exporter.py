@@ -18,6 +18,7 @@ import torch
 from ..bundle import (FORMAT_VERSION, MANIFEST, TOKENIZER, WEIGHTS, Manifest, MethodSpec, TensorSpec, dtype_name,
                       sha256, sha256_many, tensor_view)
 from ..errors import ExportError, OnecopyError
+from ..kernels.cpu import LIBRARY as CPU_LIBRARY
 from ..kernels.native import LIBRARY as NATIVE_LIBRARY
 from ..layouts import GROUPS
 from ..models import kv_quant
@@ -110,11 +111,10 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
     place only when complete, so a failed export leaves nothing behind.
     ``kv_block``: positions per KV block (paged KV, what the prefix cache shares; Llama family); None
     keeps one row of max_seq_len positions per session. Families without paged KV ignore it.
-    A GGUF source's quantized tensors stay packed (`models.quantize.pack_gguf`) unless ``dequantize``;
-    by default (None) they stay packed for CUDA, where the decode kernels read them packed, and are
-    stored as floats for the CPU, where a dequantization per call made SmolLM2's decode 2.7x slower
-    than float weights (138 vs 51 ms/token on 2 cores, benchmarks/results/packed_cpu_smollm2.json):
-    pass False to keep them packed there too.
+    A GGUF source's quantized tensors stay packed (`models.quantize.pack_gguf`) unless ``dequantize``
+    (None, the default, is False): the CUDA decode kernels and the CPU's C++ kernel (`kernels.cpu`) read
+    them packed (SmolLM2 Q4_1 on 2 cores: 0.57x the float bundle's time per token with a fifth of its weight
+    bytes, benchmarks/results/packed_cpu_smollm2.json). True stores them as floats.
     ``quantize`` ("int8" or "int4", with ``group_size`` values per scale) packs a float model's
     projections (`models.quantize.quantize_model`). The manifest records each packed layer's layout.
     ``kv_dtype`` ("int8" or "fp8"; None or "bf16": the model's dtype) stores the KV cache in 8 bits with a
@@ -177,7 +177,7 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
             raise ExportError(f"max_seq_len={max_seq_len} is out of range for {src.name}; "
                               f"use 1..{bound} (--max-seq-len)")
         if dequantize is None:
-            dequantize = device == "cpu"
+            dequantize = False
         if quantize is not None and src.packed and not dequantize:
             raise ExportError(f"{src.name} is already quantized ({_gguf_types(src)}) and stays so; to quantize it "
                               f"again to {quantize}, pass dequantize=True too (--dequantize)")
@@ -219,7 +219,7 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
             bar.step(f"export {name}")
             exported[name] = _export_method(available[name], name, declared)
             ep = exported[name][0]
-            libraries[name] = op_libraries(ep, (NATIVE_LIBRARY,))
+            libraries[name] = op_libraries(ep, (NATIVE_LIBRARY, CPU_LIBRARY))
             clock.lap(f"trace {name}")
             if workers is not None:  # it compiles while the next is traced (a failed check below kills it)
                 try:

@@ -1,8 +1,9 @@
 """How every projection reads its weight, float or packed: `matmul`, and `PackedLinear`, the ``nn.Linear``
 whose weight stays packed (its forward is `matmul`).
 
-A packed weight (`packed.Packed`) is dequantized in the graph and multiplied (CPU; CUDA prefill, where
-one kernel writes the copy, `kernels.dequantize`); a CUDA decode step, and a prefill's LM head on its
+A packed weight (`packed.Packed`) is read as it is stored by a C++ kernel on the CPU (`kernels.cpu`: float32
+rows, groups of 32 and more; other CPU cases dequantize it in the graph), dequantized for cuBLAS in a CUDA
+prefill (one kernel writes the copy, `kernels.dequantize`); a CUDA decode step, and a prefill's LM head on its
 one row, instead read it packed inside the small-linear kernel (`projections`, `kernels.small_linear`),
 which dequantizes each tile as it goes; a batch-invariant decode reads it through
 `invariant.linear_rows`. An ``f8r`` weight takes `packed.fp8_linear` everywhere (CPU and CUDA, any
@@ -19,13 +20,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
+from ..kernels import cpu as cpu_kernels
 from . import invariant
 from .packed import ACTIVATION_QUANTIZED, LAYOUT_IDS, Packed, PackedLayer, Weight, dequantize, fp8_linear, kernel_linear
 
 
 def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, bias)`` for a float or a packed weight. A packed one is dequantized in the graph
-    (in x's dtype) for cuBLAS, on CUDA by one kernel (`kernels.dequantize`), except where few rows read
+    """``F.linear(x, w, bias)`` for a float or a packed weight. On the CPU a packed one is read packed by
+    `kernels.cpu.packed_linear` where it serves (else dequantized in the graph). On CUDA it is dequantized
+    for cuBLAS by one kernel (`kernels.dequantize`), except where few rows read
     it: a batch-invariant CUDA decode (`invariant.linear_rows`) and, on CUDA, any product of a fixed
     number of at most `kernels.SMALL_LINEAR_ROWS` rows (a prefill's LM head on its last position), which
     read it packed in the small-linear kernel rather than write and read the whole matrix in x's dtype."""
@@ -35,6 +38,10 @@ def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         return fp8_linear(x, w, bias)
     if invariant.active():
         return invariant.linear_rows(x, w, bias)
+    if not x.is_cuda and cpu_kernels.serves(w.layout, w.group, x):  # read packed, in C++
+        y = cpu_kernels.packed_linear(x.reshape(-1, x.shape[-1]), w.layout, w.group, w.qweight, w.scales, w.mins)
+        y = y.reshape(*x.shape[:-1], w.out_features)
+        return y if bias is None else y + bias
     if not (x.is_cuda and kernels.available()):
         return F.linear(x, dequantize(w, x.dtype), bias)
     rows = x.reshape(-1, x.shape[-1])

@@ -105,16 +105,22 @@ class Method:
 
 
 def _load_native_ops(spec: MethodSpec, device: torch.device) -> None:
-    """Load the op libraries the package calls by name (`kernels.native`) before the package itself: its proxy
-    executor looks each op up as it loads. ToolchainError if they cannot be built here."""
-    from ..kernels import native
+    """Load the op libraries the package calls by name (`kernels.native` on CUDA, `kernels.cpu` on the CPU)
+    before the package itself: its proxy executor looks each op up as it loads. ToolchainError if they cannot
+    be built here."""
+    from ..kernels import cpu, native
 
-    unknown = sorted(set(spec.native_ops) - {native.LIBRARY})
+    unknown = sorted(set(spec.native_ops) - {native.LIBRARY, cpu.LIBRARY})
     if unknown:
         raise ManifestError(f"method {spec.name!r} calls op libraries {unknown} that this onecopy does not have; "
                             "export the bundle again with this onecopy")
-    if spec.native_ops:
+    if native.LIBRARY in spec.native_ops:
         if device.type != "cuda" or not torch.cuda.is_available():
             raise DeviceMismatchError(f"method {spec.name!r} calls the native CUDA kernels ({native.LIBRARY}); "
                                       "load the bundle on the CUDA device it was exported for")
         native.load()
+    if cpu.LIBRARY in spec.native_ops:
+        if device.type != "cpu":
+            raise DeviceMismatchError(f"method {spec.name!r} calls the CPU kernels ({cpu.LIBRARY}); load the bundle "
+                                      "on the CPU it was exported for")
+        cpu.load()
