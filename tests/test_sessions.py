@@ -137,8 +137,24 @@ def test_memory_budget_sizes_the_pool(tiny_bundle):
         onecopy.Engine.load(tiny_bundle, memory_budget=1)
     with onecopy.Engine.load(tiny_bundle, memory_budget=int(3.5 * per)) as e:
         assert e.capacity() == 2 and "2 rows fit in memory_budget=" in e.memory_report().pool_sizing
-    with pytest.raises(onecopy.SessionCapacityError, match=r"max_sessions=5 needs .* leaves room for 2; ask for fewer"):
-        onecopy.Engine.load(tiny_bundle, memory_budget=int(3.5 * per), max_sessions=5)
+    # paged KV: an explicit max_sessions is honoured with the blocks that fit (rows are cheap, blocks the capacity)
+    with onecopy.Engine.load(tiny_bundle, memory_budget=int(3.5 * per), max_sessions=5) as e:
+        width, blocks = e.manifest.table_width, e.scheduler.kv.blocks
+        assert e.capacity() == 5 and 3 * width <= blocks < 4 * width
+        assert e.memory_report().pool_sizing == (f"max_sessions=5; {blocks} KV blocks ({blocks * e.manifest.kv_block_size} "
+                                                 "positions) fit in memory_budget=" f"{int(3.5 * per)} bytes: requests "
+                                                 "wait for the blocks they need")
+        # five requests that each write every position: three hold blocks at a time, the others wait, all finish
+        ids = [[3 + i, 5, 7] for i in range(5)]
+        n = e.max_seq_len - 3
+        params = onecopy.SamplingParams(max_new_tokens=n)
+        outs = [st.result(timeout=120) for st in [e.submit(p, params, stop_ids=[]) for p in ids]]
+        assert [len(o) for o in outs] == [n] * 5
+        fixed = per - width * e.runner.blocks.block_bytes  # a row's bytes outside the paged KV
+        one_session = width * e.runner.blocks.block_bytes
+    with pytest.raises(onecopy.SessionCapacityError, match=r"max_sessions=5 rows take .* fewer than one session at "
+                                                           r"max_seq_len needs .*; ask for fewer sessions"):
+        onecopy.Engine.load(tiny_bundle, memory_budget=6 * fixed + one_session, max_sessions=5)  # the scratch block
 
 
 def test_pool_sizing_rules(monkeypatch):
@@ -248,3 +264,23 @@ def test_a_method_writing_a_constant_fails_closed(tiny_bundle, tmp_path):
             engine.weights.get("norm.weight").mul_(2.0)  # what an in-place write would leave behind
         with engine.open_session() as s:  # the next session starts from the constant's initial value
             assert list(s.generate_ids(PROMPTS["A"], GREEDY, stop_ids=[])) == want
+
+
+def test_a_thousand_rows_share_the_blocks_that_fit_and_each_request_ends_as_alone(tiny_bundle):
+    """Rows are cheap: 1024 rows and KV blocks for 256 short requests at a time. 1024 requests at once all finish,
+    the later ones waiting for blocks, each with the tokens it gets alone (deterministic mode)."""
+    with onecopy.Engine.load(tiny_bundle, max_sessions=1) as e:
+        per = e.state_bytes_per_session + 3 * e.vocab_size + 8 * e.manifest.table_width
+        bb = e.runner.blocks.block_bytes
+    fixed = per - e.manifest.table_width * bb
+    with onecopy.Engine.load(tiny_bundle, max_sessions=1024, memory_budget=1025 * fixed + 257 * bb,
+                             deterministic=True, token_budget=1024) as e:  # many prompts' chunks per iteration
+        assert e.capacity() == 1024 and e.scheduler.kv.blocks == 256
+        prompts = [[11 + i, 7, 5] for i in range(8)]
+        params = onecopy.SamplingParams(max_new_tokens=4)
+        alone = [e.submit(p, params, stop_ids=[]).result(timeout=60) for p in prompts]
+        streams = [e.submit(prompts[i % 8], params, stop_ids=[]) for i in range(1024)]
+        got = [st.result(timeout=240) for st in streams]
+        assert got == [alone[i % 8] for i in range(1024)]
+        assert e.scheduler.stats.decode_rows / e.scheduler.stats.decode_steps > 64  # many rows per step
+        assert e.capacity() == 1024 and e.scheduler.kv.usage()["free"] + e.scheduler.kv.usage()["cached"] == 256

@@ -27,7 +27,8 @@ from ..tokenizer import Tokenizer
 from .config import EngineConfig
 from .kv_manager import KVSpec
 from .loop import EngineLoop
-from .memory import MemoryReport, default_reserve, device_used, engine_report, row_bytes, size_blocks, size_pool
+from .memory import (MemoryReport, default_reserve, device_used, engine_report, row_bytes, size_blocks, size_paged_sessions,
+                     size_pool)
 from .method import Method
 from .prompts import Prompts
 from .request import Request
@@ -148,14 +149,19 @@ class Engine:
                              f"{self.path} has {', '.join(self._methods)}: load it with cuda_graphs=False")
         reserve = default_reserve(self.device) if c.reserve_bytes is None else c.reserve_bytes
         fixed, full = row_bytes(m)
-        rows, self.pool_sizing = size_pool(full, self.device, max_sessions=c.max_sessions,
-                                           memory_budget=c.memory_budget, memory_fraction=c.memory_fraction,
-                                           reserve=reserve)
         paged, blocks = bool(m.paged_state), 0
-        if paged:
+        if paged and c.max_sessions is not None:  # rows are cheap, blocks the capacity
+            rows, blocks, self.pool_sizing = size_paged_sessions(
+                c.max_sessions, m, fixed, self.device, kv_blocks=c.kv_blocks, memory_budget=c.memory_budget,
+                memory_fraction=c.memory_fraction, reserve=reserve)
+        else:
+            rows, self.pool_sizing = size_pool(full, self.device, max_sessions=c.max_sessions,
+                                               memory_budget=c.memory_budget, memory_fraction=c.memory_fraction,
+                                               reserve=reserve)
+        if paged and c.max_sessions is None:
             rows, blocks, self.pool_sizing = size_blocks(
                 rows, self.pool_sizing, m, fixed, self.device, kv_blocks=c.kv_blocks,
-                sized_by_user=c.max_sessions is not None or c.memory_budget is not None,
+                sized_by_user=c.memory_budget is not None,
                 memory_fraction=c.memory_fraction, reserve=reserve)
         if not paged:
             self.prefix_cache_note = "prefix cache off: this bundle's state has a row per session (no paged KV)"

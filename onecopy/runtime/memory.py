@@ -82,20 +82,14 @@ def size_pool(row_bytes: int, device: torch.device, *, max_sessions: int | None,
               memory_fraction: float, reserve: int) -> tuple[int, str]:
     """How many session rows the pool gets, and why (said in the memory report).
 
-    ``max_sessions`` is taken as asked (refused if it does not fit); otherwise CUDA takes
+    ``max_sessions`` is taken as asked (refused if it does not fit; a paged bundle's rows are sized by
+    `size_paged_sessions` instead); otherwise CUDA takes
     ``memory_fraction`` of the device's memory minus what is in use and the reserve (like vLLM's
     gpu_memory_utilization), up to CUDA_MAX_SESSIONS, and CPU takes CPU_DEFAULT_SESSIONS.
     ``memory_budget`` bounds the pool's bytes in every case.
     """
     per = row_bytes or 1
-    if device.type == "cuda":
-        room = gpu_room(device, memory_fraction, reserve)
-        where = f"{memory_fraction:.2f} of device memory after what is in use and a {reserve / 2**20:,.0f} MiB reserve"
-    else:
-        room = available_bytes(device) - reserve
-        where = f"available host memory after a {reserve / 2**20:,.0f} MiB reserve"
-    if memory_budget is not None:
-        room, where = min(room, memory_budget), f"memory_budget={memory_budget} bytes"
+    room, where = _room(device, memory_budget, memory_fraction, reserve)
     fits = max(room, 0) // per - 1  # one row is scratch
     if max_sessions is not None:
         if max_sessions > fits:
@@ -115,6 +109,52 @@ def size_pool(row_bytes: int, device: torch.device, *, max_sessions: int | None,
         return rows, f"{rows} rows from free GPU memory ({why}{fits} fit in {where})"
     rows = min(fits, CPU_DEFAULT_SESSIONS)
     return rows, f"{rows} rows: the CPU default (pass max_sessions or memory_budget to change it)"
+
+
+def size_paged_sessions(max_sessions: int, manifest: Manifest, fixed_row_bytes: int, device: torch.device, *,
+                        kv_blocks: int | None, memory_budget: int | None, memory_fraction: float,
+                        reserve: int) -> tuple[int, int, str]:
+    """(rows, KV blocks, why) for a paged bundle loaded with an explicit ``max_sessions``: rows are cheap
+    (each costs its state outside the paged KV), blocks are the capacity. The blocks are ``kv_blocks``, else
+    as many as every row at max_seq_len would take or, if fewer fit, as many as the room left by the rows
+    holds (at least one session at max_seq_len): requests then wait at admission for the blocks they need, as
+    in vLLM and TensorRT-LLM, which run as many sequences as the blocks hold. SessionCapacityError when the
+    rows alone, or the rows and ``kv_blocks``, do not fit."""
+    block_bytes = sum(manifest.state[f].nbytes for f in manifest.paged_state)
+    width = manifest.table_width
+    room, where = _room(device, memory_budget, memory_fraction, reserve)
+    rows_bytes = (max_sessions + 1) * fixed_row_bytes  # one row is scratch
+    left = room - rows_bytes
+    if kv_blocks is not None:
+        if (kv_blocks + 1) * block_bytes > left:
+            raise SessionCapacityError(
+                f"max_sessions={max_sessions} and kv_blocks={kv_blocks} need {rows_bytes + (kv_blocks + 1) * block_bytes} "
+                f"bytes of state ({fixed_row_bytes} per row, {block_bytes} per KV block, plus a scratch row and block) "
+                f"but {where} leaves {max(room, 0)}; ask for fewer sessions or blocks, or free memory")
+        return max_sessions, kv_blocks, f"max_sessions={max_sessions}; kv_blocks={kv_blocks}"
+    blocks = min(max_sessions * width, left // block_bytes - 1)
+    if blocks < width:
+        raise SessionCapacityError(
+            f"max_sessions={max_sessions} rows take {rows_bytes} bytes ({fixed_row_bytes} per row plus a scratch row) "
+            f"and leave room for {max(blocks, 0)} KV blocks of {block_bytes} bytes in {where}, fewer than one session "
+            f"at max_seq_len needs ({width}); ask for fewer sessions, export with a smaller --max-seq-len, or free memory")
+    if blocks == max_sessions * width:
+        return max_sessions, blocks, f"max_sessions={max_sessions}; {blocks} KV blocks: every row can reach max_seq_len"
+    return max_sessions, blocks, (f"max_sessions={max_sessions}; {blocks} KV blocks ({blocks * manifest.kv_block_size} "
+                                  f"positions) fit in {where}: requests wait for the blocks they need")
+
+
+def _room(device: torch.device, memory_budget: int | None, memory_fraction: float, reserve: int) -> tuple[int, str]:
+    """Bytes the state may take and where that figure comes from (`size_pool`'s rule)."""
+    if device.type == "cuda":
+        room = gpu_room(device, memory_fraction, reserve)
+        where = f"{memory_fraction:.2f} of device memory after what is in use and a {reserve / 2**20:,.0f} MiB reserve"
+    else:
+        room = available_bytes(device) - reserve
+        where = f"available host memory after a {reserve / 2**20:,.0f} MiB reserve"
+    if memory_budget is not None:
+        room, where = min(room, memory_budget), f"memory_budget={memory_budget} bytes"
+    return room, where
 
 
 def size_blocks(rows: int, why: str, manifest: Manifest, fixed_row_bytes: int, device: torch.device, *,
