@@ -4,6 +4,11 @@ errors a bad operand gets. Built once per machine (the C++ source's hash names t
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -84,3 +89,26 @@ def test_bad_operands_get_an_error_that_names_them():
         cpu.packed_linear(x, "q4a", 32, w.qweight, w.scales, None)
     with pytest.raises(RuntimeError, match="group 16 must be a multiple of 32"):
         torch.ops.onecopy_cpu.packed_linear(x, w.qweight, w.scales.repeat(1, 2), w.mins.repeat(1, 2), 3, 16)
+
+
+def test_the_avx2_and_plain_paths_agree_with_float64_too(tmp_path):
+    """$ATEN_CPU_CAPABILITY holds the kernel to AVX2 or plain C++ as it holds ATen (CI's AVX2 rerun runs this
+    file again under avx2): each path on every layout, in a fresh process."""
+    script = tmp_path / "paths.py"
+    script.write_text(
+        "import sys, torch, torch.nn.functional as F\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent.parent)!r})\n"
+        "from tests.test_cpu_packed_kernel import _weight, _run, K\n"
+        "from onecopy.models.packed import dequantize\n"
+        "for layout in ('q8s', 'q8a', 'q4z', 'q4a'):\n"
+        "    w = _weight(layout, 64)\n"
+        "    x = torch.randn(3, K, generator=torch.Generator().manual_seed(4))\n"
+        "    want = F.linear(x.double(), dequantize(w, torch.float64))\n"
+        "    got = _run(x, w).double()\n"
+        "    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), layout\n"
+        "    assert torch.equal(_run(x[1:2], w), _run(x, w)[1:2]), layout\n"
+        "print('ok')\n")
+    for cap in ("avx2", "default"):
+        r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "ATEN_CPU_CAPABILITY": cap})
+        assert r.returncode == 0 and r.stdout.strip() == "ok", (cap, r.stderr[-2000:])

@@ -5,7 +5,8 @@
 // per `group` values of a row. x is float32 [M, K], y float32 [M, N].
 //
 // Few rows (a decode step): every output is one dot product over the packed row, 32 values at a time
-// (AVX2 + FMA, two rows per weight chunk; plain C++ on a CPU without them), summed per group and scaled once:
+// (AVX-512: four rows per weight chunk, nibbles through a table; AVX2 + FMA: two rows; plain C++ without
+// them), summed per group and scaled once:
 //   y[m, n] = sum_g s[n, g] * (x_g . q_g)  (+ sum_g m[n, g] * sum(x_g) for the affine layouts),
 // in an order fixed by the row alone: a row's bits never depend on the other rows (nor on the threads),
 // so the batched decode equals the solo one. Many rows (a prefill): the weight is dequantized once into a
@@ -16,7 +17,9 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -61,6 +64,8 @@ float dot_scalar(const Row& r, const uint8_t* q, const float* s, const float* mn
     for (int64_t g = 0; g < groups; ++g) total += mn[g] * r.sums[g];
   return total;
 }
+
+enum class Isa { Scalar, Avx2, Avx512 };
 
 #ifdef ONECOPY_X86
 __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
@@ -134,9 +139,66 @@ __attribute__((target("avx2,fma"))) void dot_avx2(const Row* rows, float* out, c
   }
 }
 
-bool has_avx2() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
+// 16 lanes: a nibble becomes its float through a 16-entry table (one permute for 16 values), 8-bit values
+// through one conversion; rows in blocks of up to four per weight chunk. Same per-row order whatever R is.
+template <int R>
+__attribute__((target("avx512f"))) void dot_avx512(const Row* rows, float* out, const uint8_t* q, const float* s,
+                                                 const float* mn, int64_t groups, int64_t group, int64_t layout) {
+  __m512 total[R];
+  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+  const int64_t chunks = group / 32;
+  const __m128i low = _mm_set1_epi8(0x0F);
+  const float base = layout == Q4Z ? -8.f : 0.f;
+  const __m512 lut = _mm512_setr_ps(base, base + 1, base + 2, base + 3, base + 4, base + 5, base + 6, base + 7,
+                                    base + 8, base + 9, base + 10, base + 11, base + 12, base + 13, base + 14, base + 15);
+  const bool sg = layout == Q8S;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m512 w0, w1;
+      int64_t o0, o1;
+      bool odd1;
+      if (nibbles(layout)) {
+        const int64_t j = (g * chunks + c) * 16;
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j));
+        w0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low)), lut);
+        w1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low)), lut);
+        o0 = j, o1 = j, odd1 = true;
+      } else {
+        const int64_t k = (g * chunks + c) * 32;
+        const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k));
+        const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + 16));
+        w0 = _mm512_cvtepi32_ps(sg ? _mm512_cvtepi8_epi32(b0) : _mm512_cvtepu8_epi32(b0));
+        w1 = _mm512_cvtepi32_ps(sg ? _mm512_cvtepi8_epi32(b1) : _mm512_cvtepu8_epi32(b1));
+        o0 = k, o1 = k + 16, odd1 = false;
+      }
+      for (int r = 0; r < R; ++r) {
+        acc[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(rows[r].a + o0), w0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps((odd1 ? rows[r].b : rows[r].a) + o1), w1, acc[r][1]);
+      }
+    }
+    const __m512 sc = _mm512_set1_ps(s[g]);
+    for (int r = 0; r < R; ++r) total[r] = _mm512_fmadd_ps(sc, _mm512_add_ps(acc[r][0], acc[r][1]), total[r]);
+  }
+  for (int r = 0; r < R; ++r) {
+    float y = _mm512_reduce_add_ps(total[r]);
+    if (affine(layout))
+      for (int64_t g = 0; g < groups; ++g) y += mn[g] * rows[r].sums[g];
+    out[r] = y;
+  }
+}
+
+// The widest path this CPU runs, held to AVX2 (or plain C++) where $ATEN_CPU_CAPABILITY holds ATen there, as
+// the CI's AVX2 rerun does: then the kernel's bits are an AVX2 machine's too.
+Isa isa() {
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool avx512 = avx2 && __builtin_cpu_supports("avx512f");
+  const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
+  const std::string held = cap ? cap : "";
+  if (held == "default") return Isa::Scalar;
+  if (avx512 && held != "avx2") return Isa::Avx512;
+  return avx2 ? Isa::Avx2 : Isa::Scalar;
 }
 #endif
 
@@ -227,32 +289,41 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& qweight, const a
   const float* sp = sums.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t row_bytes = qweight.size(1);
+#ifdef ONECOPY_X86
+  const Isa path = isa();
+#else
+  const Isa path = Isa::Scalar;
+#endif
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const uint8_t* qi = q + i * row_bytes;
       const float* si = s + i * groups;
       const float* mi = mn ? mn + i * groups : nullptr;
-      float out[2];
+      float out[4];
       for (int64_t r = 0; r < m;) {
-        const Row rows[2] = {{pp + r * k, pp + r * k + k / 2, sp + r * groups},
-                             {pp + (r + 1) * k, pp + (r + 1) * k + k / 2, sp + (r + 1) * groups}};
+        const int64_t left = m - r;
+        Row rows[4];
+        for (int64_t t = 0; t < 4 && t < left; ++t)
+          rows[t] = Row{pp + (r + t) * k, pp + (r + t) * k + k / 2, sp + (r + t) * groups};
+        int64_t did = 1;
 #ifdef ONECOPY_X86
-        if (has_avx2()) {
-          if (r + 1 < m) {
-            dot_avx2<2>(rows, out, qi, si, mi, groups, group, layout);
-            yp[r * n + i] = out[0];
-            yp[(r + 1) * n + i] = out[1];
-            r += 2;
-          } else {
-            dot_avx2<1>(rows, out, qi, si, mi, groups, group, layout);
-            yp[r * n + i] = out[0];
-            r += 1;
-          }
-          continue;
-        }
+        if (path == Isa::Avx512) {
+          did = left >= 4 ? 4 : left;
+          if (did == 4) dot_avx512<4>(rows, out, qi, si, mi, groups, group, layout);
+          else if (did == 3) dot_avx512<3>(rows, out, qi, si, mi, groups, group, layout);
+          else if (did == 2) dot_avx512<2>(rows, out, qi, si, mi, groups, group, layout);
+          else dot_avx512<1>(rows, out, qi, si, mi, groups, group, layout);
+        } else if (path == Isa::Avx2) {
+          did = left >= 2 ? 2 : 1;
+          if (did == 2) dot_avx2<2>(rows, out, qi, si, mi, groups, group, layout);
+          else dot_avx2<1>(rows, out, qi, si, mi, groups, group, layout);
+        } else
 #endif
-        yp[r * n + i] = dot_scalar(rows[0], qi, si, mi, groups, group, layout);
-        r += 1;
+        {
+          out[0] = dot_scalar(rows[0], qi, si, mi, groups, group, layout);
+        }
+        for (int64_t t = 0; t < did; ++t) yp[(r + t) * n + i] = out[t];
+        r += did;
       }
     }
   });
