@@ -65,7 +65,10 @@ def load() -> None:
     from ...errors import ToolchainError
     from ...toolchain import pick_cxx
 
-    tag = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    # -fopenmp: at::parallel_for is a header template that runs serially unless compiled with OpenMP (libgomp is
+    # torch's own, already loaded under the same soname)
+    flags = ["-O3", "-fopenmp"]
+    tag = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
     saved = {k: os.environ.get(k) for k in ("CXX", "PATH")}
     os.environ["CXX"] = pick_cxx()
     try:  # the builder runs `ninja`: the pip package's, found even when the environment's bin is not on PATH
@@ -75,8 +78,8 @@ def load() -> None:
     except ImportError:
         pass
     try:
-        build(name=f"{LIBRARY}_{tag}", sources=[str(_SOURCE)], is_python_module=False, extra_cflags=["-O3"],
-              verbose=False)
+        build(name=f"{LIBRARY}_{tag}", sources=[str(_SOURCE)], is_python_module=False, extra_cflags=flags,
+              extra_ldflags=["-fopenmp"], verbose=False)
     except (RuntimeError, OSError, ImportError) as e:
         raise ToolchainError(f"the CPU packed-weight kernel ({_SOURCE.name}) did not build: {str(e)[-600:]}; install a "
                              "C++ compiler (g++), or export with the GGUF's weights as floats (--dequantize)") from e

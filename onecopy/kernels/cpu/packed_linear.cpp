@@ -5,8 +5,9 @@
 // per `group` values of a row. x is float32 [M, K], y float32 [M, N].
 //
 // Few rows (a decode step): every output is one dot product over the packed row, 32 values at a time
-// (AVX-512: four rows per weight chunk, nibbles through a table; AVX2 + FMA: two rows; plain C++ without
-// them), summed per group and scaled once:
+// (AVX-512: four rows per weight chunk, or four output features for one row, nibbles through a table; AVX2 +
+// FMA: two rows; plain C++ without them; output features split over torch's OpenMP threads), summed per group
+// and scaled once:
 //   y[m, n] = sum_g s[n, g] * (x_g . q_g)  (+ sum_g m[n, g] * sum(x_g) for the affine layouts),
 // in an order fixed by the row alone: a row's bits never depend on the other rows (nor on the threads),
 // so the batched decode equals the solo one. Many rows (a prefill): the weight is dequantized once into a
@@ -189,6 +190,58 @@ __attribute__((target("avx512f"))) void dot_avx512(const Row* rows, float* out, 
   }
 }
 
+// One row against NB consecutive output features: NB independent chains where a row alone has one. Each
+// output's operations are dot_avx512<1>'s, in its order, so its bits are too (one row or many).
+template <int NB>
+__attribute__((target("avx512f"))) void dot1_avx512(const Row& row, float* out, const uint8_t* q, int64_t row_bytes,
+                                                  const float* s, const float* mn, int64_t groups, int64_t group,
+                                                  int64_t layout) {
+  __m512 total[NB];
+  for (int t = 0; t < NB; ++t) total[t] = _mm512_setzero_ps();
+  const int64_t chunks = group / 32;
+  const __m128i low = _mm_set1_epi8(0x0F);
+  const float base = layout == Q4Z ? -8.f : 0.f;
+  const __m512 lut = _mm512_setr_ps(base, base + 1, base + 2, base + 3, base + 4, base + 5, base + 6, base + 7,
+                                    base + 8, base + 9, base + 10, base + 11, base + 12, base + 13, base + 14, base + 15);
+  const bool sg = layout == Q8S;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 acc[NB][2];
+    for (int t = 0; t < NB; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      if (nibbles(layout)) {
+        const int64_t j = (g * chunks + c) * 16;
+        const __m512 xa = _mm512_loadu_ps(row.a + j), xb = _mm512_loadu_ps(row.b + j);
+        for (int t = 0; t < NB; ++t) {
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + t * row_bytes + j));
+          const __m512 w0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low)), lut);
+          const __m512 w1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low)), lut);
+          acc[t][0] = _mm512_fmadd_ps(xa, w0, acc[t][0]);
+          acc[t][1] = _mm512_fmadd_ps(xb, w1, acc[t][1]);
+        }
+      } else {
+        const int64_t k = (g * chunks + c) * 32;
+        const __m512 xa = _mm512_loadu_ps(row.a + k), xb = _mm512_loadu_ps(row.a + k + 16);
+        for (int t = 0; t < NB; ++t) {
+          const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + t * row_bytes + k));
+          const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + t * row_bytes + k + 16));
+          const __m512 w0 = _mm512_cvtepi32_ps(sg ? _mm512_cvtepi8_epi32(b0) : _mm512_cvtepu8_epi32(b0));
+          const __m512 w1 = _mm512_cvtepi32_ps(sg ? _mm512_cvtepi8_epi32(b1) : _mm512_cvtepu8_epi32(b1));
+          acc[t][0] = _mm512_fmadd_ps(xa, w0, acc[t][0]);
+          acc[t][1] = _mm512_fmadd_ps(xb, w1, acc[t][1]);
+        }
+      }
+    }
+    for (int t = 0; t < NB; ++t)
+      total[t] = _mm512_fmadd_ps(_mm512_set1_ps(s[t * groups + g]), _mm512_add_ps(acc[t][0], acc[t][1]), total[t]);
+  }
+  for (int t = 0; t < NB; ++t) {
+    float y = _mm512_reduce_add_ps(total[t]);
+    if (affine(layout))
+      for (int64_t g = 0; g < groups; ++g) y += mn[t * groups + g] * row.sums[g];
+    out[t] = y;
+  }
+}
+
 // The widest path this CPU runs, held to AVX2 (or plain C++) where $ATEN_CPU_CAPABILITY holds ATen there, as
 // the CI's AVX2 rerun does: then the kernel's bits are an AVX2 machine's too.
 Isa isa() {
@@ -295,7 +348,16 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& qweight, const a
   const Isa path = Isa::Scalar;
 #endif
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
+    int64_t i = begin;
+#ifdef ONECOPY_X86
+    if (path == Isa::Avx512 && m == 1) {  // one row: four output features at a time (the rest below)
+      const Row row{pp, pp + k / 2, sp};
+      for (; i + 4 <= end; i += 4)
+        dot1_avx512<4>(row, yp + i, q + i * row_bytes, row_bytes, s + i * groups, mn ? mn + i * groups : nullptr,
+                       groups, group, layout);
+    }
+#endif
+    for (; i < end; ++i) {
       const uint8_t* qi = q + i * row_bytes;
       const float* si = s + i * groups;
       const float* mi = mn ? mn + i * groups : nullptr;
