@@ -7,12 +7,14 @@ that links libstdc++.so.6 dynamically shares the process's copy and loads fine.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import struct
 import subprocess
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 
@@ -87,3 +89,26 @@ def check_package_loadable(package: Path) -> None:
                     f"{package.name} was compiled with libstdc++ linked statically ({name}); loading it would crash "
                     "this process. Fix: re-export the bundle with `onecopy export` (it picks a compiler that links "
                     "libstdc++ dynamically), or start Python with LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libstdc++.so.6")
+
+
+@contextlib.contextmanager
+def build_environment(**values: str) -> Iterator[None]:
+    """What torch's extension builder (the native CUDA and the CPU kernels) needs in the environment: ``values``
+    set, and the pip `ninja` package's binary on PATH (found even when the environment's bin is not); all of it
+    put back afterwards."""
+    saved = {k: os.environ.get(k) for k in (*values, "PATH")}
+    os.environ.update(values)
+    try:
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

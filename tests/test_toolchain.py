@@ -1,5 +1,7 @@
 """The compiler pick and the load-time check that keep AOTI packages from crashing the process."""
 
+import os
+import shutil
 import subprocess
 import zipfile
 
@@ -43,3 +45,15 @@ def test_exported_packages_pass_the_check(tiny_bundle):
 
 def test_elf_needed_rejects_non_elf():
     assert elf_needed(b"not an elf at all") is None
+
+
+def test_the_build_environment_is_put_back(monkeypatch):
+    from onecopy.toolchain import build_environment
+
+    monkeypatch.setenv("CXX", "g++-before")
+    monkeypatch.delenv("NVCC_CCBIN", raising=False)
+    path = os.environ["PATH"]
+    with build_environment(CXX="c++", NVCC_CCBIN="c++"):
+        assert os.environ["CXX"] == os.environ["NVCC_CCBIN"] == "c++"
+        assert os.environ["PATH"].endswith(path) and shutil.which("ninja")  # the builder finds ninja
+    assert os.environ["CXX"] == "g++-before" and "NVCC_CCBIN" not in os.environ and os.environ["PATH"] == path

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 from pathlib import Path
 
 import torch
@@ -63,29 +62,16 @@ def load() -> None:
     from torch.utils.cpp_extension import load as build
 
     from ...errors import ToolchainError
-    from ...toolchain import pick_cxx
+    from ...toolchain import build_environment, pick_cxx
 
     # -fopenmp: at::parallel_for is a header template that runs serially unless compiled with OpenMP (libgomp is
     # torch's own, already loaded under the same soname)
     flags = ["-O3", "-fopenmp"]
     tag = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
-    saved = {k: os.environ.get(k) for k in ("CXX", "PATH")}
-    os.environ["CXX"] = pick_cxx()
-    try:  # the builder runs `ninja`: the pip package's, found even when the environment's bin is not on PATH
-        import ninja
-
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    except ImportError:
-        pass
     try:
-        build(name=f"{LIBRARY}_{tag}", sources=[str(_SOURCE)], is_python_module=False, extra_cflags=flags,
-              extra_ldflags=["-fopenmp"], verbose=False)
+        with build_environment(CXX=pick_cxx()):
+            build(name=f"{LIBRARY}_{tag}", sources=[str(_SOURCE)], is_python_module=False, extra_cflags=flags,
+                  extra_ldflags=["-fopenmp"], verbose=False)
     except (RuntimeError, OSError, ImportError) as e:
         raise ToolchainError(f"the CPU packed-weight kernel ({_SOURCE.name}) did not build: {str(e)[-600:]}; install a "
                              "C++ compiler (g++), or export with the GGUF's weights as floats (--dequantize)") from e
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

@@ -140,6 +140,29 @@ __attribute__((target("avx2,fma"))) void dot_avx2(const Row* rows, float* out, c
   }
 }
 
+// AVX-512 conversions shared by the one-row and many-row paths. A nibble's value (q, or q - 8 for q4z) from
+// a 16-entry table; 16 bytes give the low nibbles (even k) in w0 and the high ones (odd k) in w1.
+__attribute__((target("avx512f"), always_inline)) inline __m512 nibble_table(int64_t layout) {
+  const float b = layout == Q4Z ? -8.f : 0.f;
+  return _mm512_setr_ps(b, b + 1, b + 2, b + 3, b + 4, b + 5, b + 6, b + 7, b + 8, b + 9, b + 10, b + 11, b + 12,
+                        b + 13, b + 14, b + 15);
+}
+
+__attribute__((target("avx512f"), always_inline)) inline void nibbles16(const uint8_t* p, __m512 lut, __m512& w0, __m512& w1) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  w0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low)), lut);
+  w1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low)), lut);
+}
+
+// 32 bytes of 8-bit values as floats: the first 16 in w0, the next in w1.
+__attribute__((target("avx512f"), always_inline)) inline void bytes32(const uint8_t* p, bool is_signed, __m512& w0, __m512& w1) {
+  const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16));
+  w0 = _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(b0) : _mm512_cvtepu8_epi32(b0));
+  w1 = _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(b1) : _mm512_cvtepu8_epi32(b1));
+}
+
 // 16 lanes: a nibble becomes its float through a 16-entry table (one permute for 16 values), 8-bit values
 // through one conversion; rows in blocks of up to four per weight chunk. Same per-row order whatever R is.
 template <int R>
@@ -148,10 +171,7 @@ __attribute__((target("avx512f"))) void dot_avx512(const Row* rows, float* out, 
   __m512 total[R];
   for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
   const int64_t chunks = group / 32;
-  const __m128i low = _mm_set1_epi8(0x0F);
-  const float base = layout == Q4Z ? -8.f : 0.f;
-  const __m512 lut = _mm512_setr_ps(base, base + 1, base + 2, base + 3, base + 4, base + 5, base + 6, base + 7,
-                                    base + 8, base + 9, base + 10, base + 11, base + 12, base + 13, base + 14, base + 15);
+  const __m512 lut = nibble_table(layout);
   const bool sg = layout == Q8S;
   for (int64_t g = 0; g < groups; ++g) {
     __m512 acc[R][2];
@@ -162,16 +182,11 @@ __attribute__((target("avx512f"))) void dot_avx512(const Row* rows, float* out, 
       bool odd1;
       if (nibbles(layout)) {
         const int64_t j = (g * chunks + c) * 16;
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j));
-        w0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low)), lut);
-        w1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low)), lut);
+        nibbles16(q + j, lut, w0, w1);
         o0 = j, o1 = j, odd1 = true;
       } else {
         const int64_t k = (g * chunks + c) * 32;
-        const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k));
-        const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + 16));
-        w0 = _mm512_cvtepi32_ps(sg ? _mm512_cvtepi8_epi32(b0) : _mm512_cvtepu8_epi32(b0));
-        w1 = _mm512_cvtepi32_ps(sg ? _mm512_cvtepi8_epi32(b1) : _mm512_cvtepu8_epi32(b1));
+        bytes32(q + k, sg, w0, w1);
         o0 = k, o1 = k + 16, odd1 = false;
       }
       for (int r = 0; r < R; ++r) {
@@ -199,10 +214,7 @@ __attribute__((target("avx512f"))) void dot1_avx512(const Row& row, float* out, 
   __m512 total[NB];
   for (int t = 0; t < NB; ++t) total[t] = _mm512_setzero_ps();
   const int64_t chunks = group / 32;
-  const __m128i low = _mm_set1_epi8(0x0F);
-  const float base = layout == Q4Z ? -8.f : 0.f;
-  const __m512 lut = _mm512_setr_ps(base, base + 1, base + 2, base + 3, base + 4, base + 5, base + 6, base + 7,
-                                    base + 8, base + 9, base + 10, base + 11, base + 12, base + 13, base + 14, base + 15);
+  const __m512 lut = nibble_table(layout);
   const bool sg = layout == Q8S;
   for (int64_t g = 0; g < groups; ++g) {
     __m512 acc[NB][2];
@@ -212,9 +224,8 @@ __attribute__((target("avx512f"))) void dot1_avx512(const Row& row, float* out, 
         const int64_t j = (g * chunks + c) * 16;
         const __m512 xa = _mm512_loadu_ps(row.a + j), xb = _mm512_loadu_ps(row.b + j);
         for (int t = 0; t < NB; ++t) {
-          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + t * row_bytes + j));
-          const __m512 w0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low)), lut);
-          const __m512 w1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low)), lut);
+          __m512 w0, w1;
+          nibbles16(q + t * row_bytes + j, lut, w0, w1);
           acc[t][0] = _mm512_fmadd_ps(xa, w0, acc[t][0]);
           acc[t][1] = _mm512_fmadd_ps(xb, w1, acc[t][1]);
         }
@@ -222,10 +233,8 @@ __attribute__((target("avx512f"))) void dot1_avx512(const Row& row, float* out, 
         const int64_t k = (g * chunks + c) * 32;
         const __m512 xa = _mm512_loadu_ps(row.a + k), xb = _mm512_loadu_ps(row.a + k + 16);
         for (int t = 0; t < NB; ++t) {
-          const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + t * row_bytes + k));
-          const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + t * row_bytes + k + 16));
-          const __m512 w0 = _mm512_cvtepi32_ps(sg ? _mm512_cvtepi8_epi32(b0) : _mm512_cvtepu8_epi32(b0));
-          const __m512 w1 = _mm512_cvtepi32_ps(sg ? _mm512_cvtepi8_epi32(b1) : _mm512_cvtepu8_epi32(b1));
+          __m512 w0, w1;
+          bytes32(q + t * row_bytes + k, sg, w0, w1);
           acc[t][0] = _mm512_fmadd_ps(xa, w0, acc[t][0]);
           acc[t][1] = _mm512_fmadd_ps(xb, w1, acc[t][1]);
         }

@@ -58,29 +58,21 @@ def load() -> None:
     from torch.utils.cpp_extension import load as build
 
     from ...errors import ToolchainError
-    from ...toolchain import pick_cxx
+    from ...toolchain import build_environment, pick_cxx
 
     here = Path(__file__).parent
     major, minor = torch.cuda.get_device_capability()
     arch = f"{major}{minor}"
     cxx = pick_cxx()
-    env = {"CXX": cxx, "NVCC_CCBIN": cxx, "TORCH_CUDA_ARCH_LIST": f"{major}.{minor}"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     try:
-        build(name=f"{LIBRARY}_sm{arch}", sources=[str(here / s) for s in _SOURCES], is_python_module=False,
-              extra_cflags=["-O3"], extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"],
-              extra_include_paths=[str(here)], verbose=False)
+        with build_environment(CXX=cxx, NVCC_CCBIN=cxx, TORCH_CUDA_ARCH_LIST=f"{major}.{minor}"):
+            build(name=f"{LIBRARY}_sm{arch}", sources=[str(here / s) for s in _SOURCES], is_python_module=False,
+                  extra_cflags=["-O3"], extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"],
+                  extra_include_paths=[str(here)], verbose=False)
     except (RuntimeError, OSError, ImportError) as e:
         raise ToolchainError(f"the native CUDA kernels ({', '.join(_SOURCES)}) did not build: {str(e)[-600:]}; "
                              "install the CUDA toolkit (nvcc) that matches torch, or export without them "
                              "(--no-native-kernels, export(native_kernels=False))") from e
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     _register_fakes()
 
 
