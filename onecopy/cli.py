@@ -9,7 +9,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from .errors import OnecopyError
+from .errors import InputError, OnecopyError
 
 if TYPE_CHECKING:
     from .runtime.config import EngineConfig
@@ -149,6 +149,28 @@ def _cmd_bench_serve(a: argparse.Namespace) -> int:
             res = bench_serve(url=server.url, engine=engine, model="bench", levels=levels,
                               requests_per_client=a.requests_per_client, prompt_len=a.prompt_len,
                               max_tokens=a.max_tokens, vocab=engine.vocab_size, api_key=None, out=out, command=command)
+    print_table(res)
+    return 0
+
+
+def _cmd_bench_throughput(a: argparse.Namespace) -> int:
+    from .bench.throughput import DEFAULT_POINTS, bench_throughput, parse_points, print_table
+    from .defaults import default_bundle
+    from .models.source import EMBEDDED_DEFAULT
+    from .runtime.engine import Engine
+
+    points = parse_points(a.points or DEFAULT_POINTS)
+    if a.requests < 1:
+        raise InputError(f"--requests must be >= 1, got {a.requests}")
+    if a.bundle and not (Path(a.bundle) / "manifest.json").is_file():
+        from .export.exporter import export
+
+        export(a.source or EMBEDDED_DEFAULT, a.bundle, device=a.device,
+               max_seq_len=max(i + o for i, o in points))
+    bundle = Path(a.bundle) if a.bundle else default_bundle(a.device, model=a.source or EMBEDDED_DEFAULT)
+    with Engine.load(bundle, a.device, engine_config(a)) as engine:
+        res = bench_throughput(engine, points, a.requests, command="onecopy " + " ".join(sys.argv[1:]),
+                               out=Path(a.out) if a.out else None, png=Path(a.png) if a.png else None)
     print_table(res)
     return 0
 
@@ -363,6 +385,19 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--api-key")
     bs.add_argument("--out", help="write the JSON here (e.g. benchmarks/results/serve_load.json)")
     bs.set_defaults(fn=_cmd_bench_serve)
+
+    bt = bsub.add_parser("throughput", help="offline throughput: N requests at once per input/output point "
+                                            "(as trtllm-bench / vllm bench throughput), beside TensorRT-LLM's figures")
+    bt.add_argument("source", nargs="?", help="model source (default: the embedded SmolLM2; llama3-8b for the GPU table)")
+    bt.add_argument("--bundle", help="bundle directory: reused if present, else exported there")
+    bt.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    bt.add_argument("--points", default=None, help="INPUT/OUTPUT token counts, comma-separated (default: TensorRT-LLM's "
+                                                   "128/128,1000/1000,2048/2048)")
+    bt.add_argument("--requests", type=int, default=1024, help="requests submitted at once per point (default 1024)")
+    add_engine_options(bt, max_queue=None)
+    bt.add_argument("--out", help="write the JSON here (e.g. benchmarks/results/throughput_h100.json)")
+    bt.add_argument("--png", help="write the bar chart here")
+    bt.set_defaults(fn=_cmd_bench_throughput)
 
     i = sub.add_parser("info", help="summarize a bundle's manifest and estimate its memory")
     i.add_argument("bundle")

@@ -9,6 +9,8 @@ from onecopy.bench.decode import floor_bytes, plot
 from onecopy.bench.peers import CompiledPeer
 from onecopy.models.llama import LlamaConfig
 
+from .conftest import run_cli
+
 PROMPT = [7, 3, 99, 250, 18]
 
 
@@ -53,3 +55,29 @@ def test_plot_is_written(tmp_path):
     data = (tmp_path / "p.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     json.dumps(rows)
+
+
+def test_bench_throughput_runs_every_point_with_all_requests_at_once(tiny_bundle, tmp_path):
+    out, png = tmp_path / "t.json", tmp_path / "t.png"
+    r = run_cli("bench", "throughput", "--bundle", str(tiny_bundle), "--points", "8/4,16/8", "--requests", "12",
+                "--max-sessions", "4", "--out", str(out), "--png", str(png))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert [(p["input_len"], p["output_len"]) for p in res["points"]] == [(8, 4), (16, 8)]
+    assert [p["output_tokens"] for p in res["points"]] == [12 * 4, 12 * 8]  # every request to its length, no stop id
+    for p in res["points"]:
+        assert p["output_tok_s"] > 0 and p["ttft_ms"]["p50"] <= p["ttft_ms"]["p99"] and p["itl_ms"]["p50"] > 0
+        assert 1 < p["mean_decode_batch"] <= 4 and p["rows"] == 4  # the rows took the requests as they freed
+        assert p["trtllm_tok_s"] is None and p["vs_trtllm"] is None  # TensorRT-LLM's table is for H100/H200 runs
+    assert res["reference"] is None and png.stat().st_size > 0 and "8/4" in r.stdout
+    r = run_cli("bench", "throughput", "--bundle", str(tiny_bundle), "--points", "8x4")
+    assert r.returncode == 2 and "--points entry '8x4' is not INPUT/OUTPUT token counts" in r.stderr
+    r = run_cli("bench", "throughput", "--bundle", str(tiny_bundle), "--points", "60/60", "--requests", "1")
+    assert r.returncode == 2 and "point 60/60 needs 120 positions and the bundle holds" in r.stderr
+
+
+def test_trtllm_figures_are_matched_to_the_gpu_by_name():
+    from onecopy.bench.throughput import reference_gpu
+
+    assert reference_gpu("NVIDIA H100 80GB HBM3") == "H100" and reference_gpu("NVIDIA H200") == "H200"
+    assert reference_gpu("NVIDIA A100-SXM4-80GB") is None
