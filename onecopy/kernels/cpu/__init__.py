@@ -65,8 +65,9 @@ def load() -> None:
     from ...toolchain import build_environment, pick_cxx
 
     # -fopenmp: at::parallel_for is a header template that runs serially unless compiled with OpenMP (libgomp is
-    # torch's own, already loaded under the same soname)
-    flags = ["-O3", "-fopenmp"]
+    # torch's own, already loaded under the same soname); -ffp-contract=off: the dequantization rounds s * q and
+    # + m apart, as gguf does (the dot products' fused multiply-adds are explicit intrinsics)
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off"]
     tag = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
     try:
         with build_environment(CXX=pick_cxx()):
