@@ -42,7 +42,7 @@ bool affine(int64_t layout) { return layout == Q4A || layout == Q8A; }
 struct Row {
   const float* a;  // even k (nibbles) or all of x
   const float* b;  // odd k (nibbles)
-  const float* sums;  // sum of x over each group (affine layouts)
+  const float* sums;  // sum of x over each group (affine layouts; null otherwise)
 };
 
 float dot_scalar(const Row& r, const uint8_t* q, const float* s, const float* mn, int64_t groups, int64_t group,
@@ -82,12 +82,13 @@ __attribute__((target("avx2,fma"))) inline __m256 to_float(__m128i bytes8, bool 
   return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes8) : _mm256_cvtepu8_epi32(bytes8));
 }
 
-// The same sums as dot_scalar with 8 lanes, for R rows at once: each 32-value chunk (16 bytes of nibbles, 32
+// The same sums as dot_scalar with 8 lanes, for R rows at once (y[r] to out[r * stride]): each 32-value chunk (16 bytes of nibbles, 32
 // bytes of 8-bit) is converted to floats once and multiplied into every row. A row's operations and their
 // order are the same whatever R is, so its bits are too.
 template <int R>
-__attribute__((target("avx2,fma"))) void dot_avx2(const Row* rows, float* out, const uint8_t* q, const float* s,
-                                                  const float* mn, int64_t groups, int64_t group, int64_t layout) {
+__attribute__((target("avx2,fma"))) void dot_avx2(const Row* rows, float* out, int64_t stride, const uint8_t* q,
+                                                  const float* s, const float* mn, int64_t groups, int64_t group,
+                                                  int64_t layout) {
   __m256 total[R];
   for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
   const int64_t chunks = group / 32;
@@ -138,7 +139,7 @@ __attribute__((target("avx2,fma"))) void dot_avx2(const Row* rows, float* out, c
     float y = hsum(total[r]);
     if (affine(layout))
       for (int64_t g = 0; g < groups; ++g) y += mn[g] * rows[r].sums[g];
-    out[r] = y;
+    out[r * stride] = y;
   }
 }
 
@@ -166,91 +167,53 @@ __attribute__((target("avx512f"), always_inline)) inline void bytes32(const uint
 }
 
 // 16 lanes: a nibble becomes its float through a 16-entry table (one permute for 16 values), 8-bit values
-// through one conversion; rows in blocks of up to four per weight chunk. Same per-row order whatever R is.
-template <int R>
-__attribute__((target("avx512f"))) void dot_avx512(const Row* rows, float* out, const uint8_t* q, const float* s,
-                                                 const float* mn, int64_t groups, int64_t group, int64_t layout) {
-  __m512 total[R];
-  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+// through one conversion. R rows against NB consecutive output features (q, s and mn at the first; weight rows
+// row_bytes apart), y[r, t] written to out[r * stride + t]: rows in blocks of up to four per weight chunk, or,
+// for one row, four output features at a time (NB independent chains where one row alone has one). An output's
+// operations and their order are the same whatever R and NB are, so its bits are too.
+template <int R, int NB>
+__attribute__((target("avx512f"))) void dot_avx512(const Row* rows, float* out, int64_t stride, const uint8_t* q,
+                                                 int64_t row_bytes, const float* s, const float* mn, int64_t groups,
+                                                 int64_t group, int64_t layout) {
+  __m512 total[NB][R];
+  for (int t = 0; t < NB; ++t)
+    for (int r = 0; r < R; ++r) total[t][r] = _mm512_setzero_ps();
   const int64_t chunks = group / 32;
   const __m512 lut = nibble_table(layout);
   const bool sg = layout == Q8S;
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
-      __m512 w0, w1;
-      int64_t o0, o1;
-      bool odd1;
-      if (nibbles(layout)) {
-        const int64_t j = (g * chunks + c) * 16;
-        nibbles16(q + j, lut, w0, w1);
-        o0 = j, o1 = j, odd1 = true;
-      } else {
-        const int64_t k = (g * chunks + c) * 32;
-        bytes32(q + k, sg, w0, w1);
-        o0 = k, o1 = k + 16, odd1 = false;
-      }
-      for (int r = 0; r < R; ++r) {
-        acc[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(rows[r].a + o0), w0, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps((odd1 ? rows[r].b : rows[r].a) + o1), w1, acc[r][1]);
-      }
-    }
-    const __m512 sc = _mm512_set1_ps(s[g]);
-    for (int r = 0; r < R; ++r) total[r] = _mm512_fmadd_ps(sc, _mm512_add_ps(acc[r][0], acc[r][1]), total[r]);
-  }
-  for (int r = 0; r < R; ++r) {
-    float y = _mm512_reduce_add_ps(total[r]);
-    if (affine(layout))
-      for (int64_t g = 0; g < groups; ++g) y += mn[g] * rows[r].sums[g];
-    out[r] = y;
-  }
-}
-
-// One row against NB consecutive output features: NB independent chains where a row alone has one. Each
-// output's operations are dot_avx512<1>'s, in its order, so its bits are too (one row or many).
-template <int NB>
-__attribute__((target("avx512f"))) void dot1_avx512(const Row& row, float* out, const uint8_t* q, int64_t row_bytes,
-                                                  const float* s, const float* mn, int64_t groups, int64_t group,
-                                                  int64_t layout) {
-  __m512 total[NB];
-  for (int t = 0; t < NB; ++t) total[t] = _mm512_setzero_ps();
-  const int64_t chunks = group / 32;
-  const __m512 lut = nibble_table(layout);
-  const bool sg = layout == Q8S;
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512 acc[NB][2];
-    for (int t = 0; t < NB; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
-      if (nibbles(layout)) {
-        const int64_t j = (g * chunks + c) * 16;
-        const __m512 xa = _mm512_loadu_ps(row.a + j), xb = _mm512_loadu_ps(row.b + j);
-        for (int t = 0; t < NB; ++t) {
-          __m512 w0, w1;
-          nibbles16(q + t * row_bytes + j, lut, w0, w1);
-          acc[t][0] = _mm512_fmadd_ps(xa, w0, acc[t][0]);
-          acc[t][1] = _mm512_fmadd_ps(xb, w1, acc[t][1]);
-        }
-      } else {
-        const int64_t k = (g * chunks + c) * 32;
-        const __m512 xa = _mm512_loadu_ps(row.a + k), xb = _mm512_loadu_ps(row.a + k + 16);
-        for (int t = 0; t < NB; ++t) {
-          __m512 w0, w1;
-          bytes32(q + t * row_bytes + k, sg, w0, w1);
-          acc[t][0] = _mm512_fmadd_ps(xa, w0, acc[t][0]);
-          acc[t][1] = _mm512_fmadd_ps(xb, w1, acc[t][1]);
-        }
-      }
-    }
+    __m512 acc[NB][R][2];
     for (int t = 0; t < NB; ++t)
-      total[t] = _mm512_fmadd_ps(_mm512_set1_ps(s[t * groups + g]), _mm512_add_ps(acc[t][0], acc[t][1]), total[t]);
+      for (int r = 0; r < R; ++r) acc[t][r][0] = acc[t][r][1] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const bool nib = nibbles(layout);
+      // where w0's and w1's 16 x values start in a row's operand (w1 reads the odd-k half for nibbles)
+      const int64_t o0 = nib ? (g * chunks + c) * 16 : (g * chunks + c) * 32, o1 = nib ? o0 : o0 + 16;
+      for (int t = 0; t < NB; ++t) {
+        __m512 w0, w1;
+        if (nib)
+          nibbles16(q + t * row_bytes + o0, lut, w0, w1);
+        else
+          bytes32(q + t * row_bytes + o0, sg, w0, w1);
+        for (int r = 0; r < R; ++r) {
+          acc[t][r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(rows[r].a + o0), w0, acc[t][r][0]);
+          acc[t][r][1] = _mm512_fmadd_ps(_mm512_loadu_ps((nib ? rows[r].b : rows[r].a) + o1), w1, acc[t][r][1]);
+        }
+      }
+    }
+    for (int t = 0; t < NB; ++t) {
+      const __m512 sc = _mm512_set1_ps(s[t * groups + g]);
+      for (int r = 0; r < R; ++r)
+        total[t][r] = _mm512_fmadd_ps(sc, _mm512_add_ps(acc[t][r][0], acc[t][r][1]), total[t][r]);
+    }
   }
-  for (int t = 0; t < NB; ++t) {
-    float y = _mm512_reduce_add_ps(total[t]);
-    if (affine(layout))
-      for (int64_t g = 0; g < groups; ++g) y += mn[t * groups + g] * row.sums[g];
-    out[t] = y;
-  }
+  for (int t = 0; t < NB; ++t)
+    for (int r = 0; r < R; ++r) {
+      float y = _mm512_reduce_add_ps(total[t][r]);
+      if (affine(layout))
+        for (int64_t g = 0; g < groups; ++g) y += mn[t * groups + g] * rows[r].sums[g];
+      out[r * stride + t] = y;
+    }
 }
 
 // The widest path this CPU runs, held to AVX2 (or plain C++) where $ATEN_CPU_CAPABILITY holds ATen there, as
@@ -328,7 +291,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& qweight, const a
   at::Tensor y = at::empty({m, n}, x.options());
   // Each row's operand: x deinterleaved for the nibble layouts, and its sum per group for the affine ones.
   at::Tensor prep = nibbles(layout) ? at::empty({m, k}, x.options()) : xc;
-  at::Tensor sums = at::empty({m, groups}, x.options());
+  at::Tensor sums = affine(layout) ? at::empty({m, groups}, x.options()) : at::Tensor();
   const float* xp = xc.data_ptr<float>();
   for (int64_t r = 0; r < m; ++r) {
     const float* row = xp + r * k;
@@ -339,18 +302,20 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& qweight, const a
         dst[k / 2 + j] = row[2 * j + 1];
       }
     }
-    float* sr = sums.data_ptr<float>() + r * groups;
-    for (int64_t g = 0; g < groups; ++g) {
-      float acc = 0.f;
-      for (int64_t i = g * group; i < (g + 1) * group; ++i) acc += row[i];
-      sr[g] = acc;
+    if (affine(layout)) {
+      float* sr = sums.data_ptr<float>() + r * groups;
+      for (int64_t g = 0; g < groups; ++g) {
+        float acc = 0.f;
+        for (int64_t i = g * group; i < (g + 1) * group; ++i) acc += row[i];
+        sr[g] = acc;
+      }
     }
   }
   const uint8_t* q = static_cast<const uint8_t*>(qweight.data_ptr());
   const float* s = scales.data_ptr<float>();
   const float* mn = affine(layout) ? mins->data_ptr<float>() : nullptr;
   const float* pp = prep.data_ptr<float>();
-  const float* sp = sums.data_ptr<float>();
+  const float* sp = affine(layout) ? sums.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t row_bytes = qweight.size(1);
 #ifdef ONECOPY_X86
@@ -364,38 +329,37 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& qweight, const a
     if (path == Isa::Avx512 && m == 1) {  // one row: four output features at a time (the rest below)
       const Row row{pp, pp + k / 2, sp};
       for (; i + 4 <= end; i += 4)
-        dot1_avx512<4>(row, yp + i, q + i * row_bytes, row_bytes, s + i * groups, mn ? mn + i * groups : nullptr,
-                       groups, group, layout);
+        dot_avx512<1, 4>(&row, yp + i, n, q + i * row_bytes, row_bytes, s + i * groups, mn ? mn + i * groups : nullptr,
+                         groups, group, layout);
     }
 #endif
     for (; i < end; ++i) {
       const uint8_t* qi = q + i * row_bytes;
       const float* si = s + i * groups;
       const float* mi = mn ? mn + i * groups : nullptr;
-      float out[4];
       for (int64_t r = 0; r < m;) {
         const int64_t left = m - r;
         Row rows[4];
         for (int64_t t = 0; t < 4 && t < left; ++t)
-          rows[t] = Row{pp + (r + t) * k, pp + (r + t) * k + k / 2, sp + (r + t) * groups};
+          rows[t] = Row{pp + (r + t) * k, pp + (r + t) * k + k / 2, sp ? sp + (r + t) * groups : nullptr};
+        float* o = yp + r * n + i;  // y[r, i]; the next rows' are n apart
         int64_t did = 1;
 #ifdef ONECOPY_X86
         if (path == Isa::Avx512) {
           did = left >= 4 ? 4 : left;
-          if (did == 4) dot_avx512<4>(rows, out, qi, si, mi, groups, group, layout);
-          else if (did == 3) dot_avx512<3>(rows, out, qi, si, mi, groups, group, layout);
-          else if (did == 2) dot_avx512<2>(rows, out, qi, si, mi, groups, group, layout);
-          else dot_avx512<1>(rows, out, qi, si, mi, groups, group, layout);
+          if (did == 4) dot_avx512<4, 1>(rows, o, n, qi, row_bytes, si, mi, groups, group, layout);
+          else if (did == 3) dot_avx512<3, 1>(rows, o, n, qi, row_bytes, si, mi, groups, group, layout);
+          else if (did == 2) dot_avx512<2, 1>(rows, o, n, qi, row_bytes, si, mi, groups, group, layout);
+          else dot_avx512<1, 1>(rows, o, n, qi, row_bytes, si, mi, groups, group, layout);
         } else if (path == Isa::Avx2) {
           did = left >= 2 ? 2 : 1;
-          if (did == 2) dot_avx2<2>(rows, out, qi, si, mi, groups, group, layout);
-          else dot_avx2<1>(rows, out, qi, si, mi, groups, group, layout);
+          if (did == 2) dot_avx2<2>(rows, o, n, qi, si, mi, groups, group, layout);
+          else dot_avx2<1>(rows, o, n, qi, si, mi, groups, group, layout);
         } else
 #endif
         {
-          out[0] = dot_scalar(rows[0], qi, si, mi, groups, group, layout);
+          o[0] = dot_scalar(rows[0], qi, si, mi, groups, group, layout);
         }
-        for (int64_t t = 0; t < did; ++t) yp[(r + t) * n + i] = out[t];
         r += did;
       }
     }
