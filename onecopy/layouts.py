@@ -13,6 +13,9 @@ import torch
 # f8r: value = s * q with q float8 e4m3 and one s per output feature (a group of K)
 LAYOUTS: dict[str, tuple[int, bool]] = {"q8s": (1, False), "q4z": (2, False), "q4a": (2, True), "q8a": (1, True),
                                         "f8r": (1, False)}
+# Each kernel-read layout's number, as the Triton kernels' LAYOUT constexpr and the CPU kernel's Layout enum
+# take it (0 is a float weight in the Triton kernels).
+LAYOUT_IDS = {"q8s": 1, "q4z": 2, "q4a": 3, "q8a": 4}
 GROUPS = (16, 32, 64, 128)  # values per scale the kernels read (a power of two, at most one K tile)
 PACKED_PARTS = ("qweight", "scales", "mins")  # the buffers a packed layer holds, in this order
 

@@ -56,7 +56,7 @@ def run_point(engine: Any, input_len: int, output_len: int, requests: int, seed:
         s.result()
     wall = max(s.token_times[-1] for s in streams) - t0
     tokens = sum(len(s.ids) for s in streams)
-    ttft = [s.token_times[0] - s.submitted for s in streams]
+    ttft = [s.time_to_first_token for s in streams]
     itl = [b - a for s in streams for a, b in zip(s.token_times, s.token_times[1:])]
     steps = stats.decode_steps - steps0
 

@@ -437,7 +437,7 @@ EXTERNAL_WEIGHTS = {"always_keep_tensor_constants": True, "aot_inductor.package_
 WRAPPER_OPT_ENV = "AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL"
 
 
-def _inductor_configs(cxx: str, embed: bool, device: str = "cpu") -> dict[str, Any]:
+def _inductor_configs(cxx: str, embed: bool, device: str) -> dict[str, Any]:
     configs: dict[str, Any] = {"cpp.cxx": (cxx,)}
     if not embed:
         configs.update(EXTERNAL_WEIGHTS)

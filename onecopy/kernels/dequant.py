@@ -17,7 +17,7 @@ TILE = (32, 256)  # (rows, values) per program: whole groups (GROUPS <= 128) and
 
 def launch_dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, layout: int, group: int,
                       dtype: torch.dtype) -> torch.Tensor:
-    """The weight [N, K] in ``dtype`` from its packed values (``layout``: models.packed.LAYOUT_IDS)."""
+    """The weight [N, K] in ``dtype`` from its packed values (``layout``: layouts.LAYOUT_IDS)."""
     from torch.library import wrap_triton
 
     from .linear_triton import dequant_kernel  # here: it imports Triton

@@ -27,7 +27,7 @@ from .tiles import SMALL_LINEAR_ROWS, SMEM_BUDGET
 Norm = tuple[torch.Tensor, torch.Tensor, float]
 
 # A packed weight's other operands (models.packed): scales, mins (affine layouts; else None), the layout's
-# number (models.packed.LAYOUT_IDS) and the values per scale.
+# number (layouts.LAYOUT_IDS) and the values per scale.
 PackedArgs = tuple[torch.Tensor, torch.Tensor | None, int, int]
 
 

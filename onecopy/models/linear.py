@@ -38,17 +38,17 @@ def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         return fp8_linear(x, w, bias)
     if invariant.active():
         return invariant.linear_rows(x, w, bias)
-    if not x.is_cuda and cpu_kernels.serves(w.layout, w.group, x):  # read packed, in C++
-        y = cpu_kernels.packed_linear(x.reshape(-1, x.shape[-1]), w.layout, w.group, w.qweight, w.scales, w.mins)
-        y = y.reshape(*x.shape[:-1], w.out_features)
-        return y if bias is None else y + bias
-    if not (x.is_cuda and kernels.available()):
-        return F.linear(x, dequantize(w, x.dtype), bias)
     rows = x.reshape(-1, x.shape[-1])
-    if isinstance(rows.shape[0], int) and rows.shape[0] <= kernels.SMALL_LINEAR_ROWS:
-        y = kernel_linear(rows, w)[0].reshape(*x.shape[:-1], w.out_features)
-        return y if bias is None else y + bias
-    return F.linear(x, kernels.dequantize(w.qweight, w.scales, w.mins, LAYOUT_IDS[w.layout], w.group, x.dtype), bias)
+    if cpu_kernels.serves(w.layout, w.group, x):  # CPU: read packed, in C++
+        y = cpu_kernels.packed_linear(rows, w.layout, w.group, w.qweight, w.scales, w.mins)
+    elif not (x.is_cuda and kernels.available()):
+        return F.linear(x, dequantize(w, x.dtype), bias)
+    elif isinstance(rows.shape[0], int) and rows.shape[0] <= kernels.SMALL_LINEAR_ROWS:
+        y = kernel_linear(rows, w)[0]
+    else:
+        return F.linear(x, kernels.dequantize(w.qweight, w.scales, w.mins, LAYOUT_IDS[w.layout], w.group, x.dtype), bias)
+    y = y.reshape(*x.shape[:-1], w.out_features)  # the kernels' rows back in x's shape
+    return y if bias is None else y + bias
 
 
 class PackedLinear(PackedLayer):

@@ -28,12 +28,10 @@ import torch
 from torch import nn
 
 from .. import kernels
-from ..layouts import LAYOUTS, PACKED_PARTS, check_packed
+from ..layouts import LAYOUT_IDS, LAYOUTS, PACKED_PARTS, check_packed
 
 ACTIVATION_QUANTIZED = frozenset({"f8r"})  # layouts multiplied by `fp8_linear`, not read by the Triton kernels
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn value
-# Each kernel-read layout's number in the kernels' LAYOUT constexpr (0 is a float weight).
-LAYOUT_IDS = {"q8s": 1, "q4z": 2, "q4a": 3, "q8a": 4}
 
 
 class Packed(NamedTuple):

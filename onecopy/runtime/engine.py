@@ -158,11 +158,10 @@ class Engine:
             rows, self.pool_sizing = size_pool(full, self.device, max_sessions=c.max_sessions,
                                                memory_budget=c.memory_budget, memory_fraction=c.memory_fraction,
                                                reserve=reserve)
-        if paged and c.max_sessions is None:
-            rows, blocks, self.pool_sizing = size_blocks(
-                rows, self.pool_sizing, m, fixed, self.device, kv_blocks=c.kv_blocks,
-                sized_by_user=c.memory_budget is not None,
-                memory_fraction=c.memory_fraction, reserve=reserve)
+            if paged:
+                rows, blocks, self.pool_sizing = size_blocks(
+                    rows, self.pool_sizing, m, fixed, self.device, kv_blocks=c.kv_blocks,
+                    sized_by_user=c.memory_budget is not None, memory_fraction=c.memory_fraction, reserve=reserve)
         if not paged:
             self.prefix_cache_note = "prefix cache off: this bundle's state has a row per session (no paged KV)"
         elif not c.prefix_cache:

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
+from ...layouts import LAYOUT_IDS  # the C++ Layout enum
+
 LIBRARY = "onecopy_cpu"
 _SOURCE = Path(__file__).with_name("packed_linear.cpp")
-LAYOUT_IDS = {"q8s": 1, "q4z": 2, "q4a": 3, "q8a": 4}  # the C++ Layout enum
 
 _lib = torch.library.Library(LIBRARY, "FRAGMENT")
 _lib.define("packed_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int layout, int group) -> Tensor")
