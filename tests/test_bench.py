@@ -72,6 +72,8 @@ def test_bench_throughput_runs_every_point_with_all_requests_at_once(tiny_bundle
     assert res["reference"] is None and png.stat().st_size > 0 and "8/4" in r.stdout
     r = run_cli("bench", "throughput", "--bundle", str(tiny_bundle), "--points", "8x4")
     assert r.returncode == 2 and "--points entry '8x4' is not INPUT/OUTPUT token counts" in r.stderr
+    r = run_cli("bench", "throughput", "--bundle", str(tiny_bundle), "--requests", "0")
+    assert r.returncode == 2 and "--requests must be >= 1, got 0" in r.stderr
     r = run_cli("bench", "throughput", "--bundle", str(tiny_bundle), "--points", "60/60", "--requests", "1")
     assert r.returncode == 2 and "point 60/60 needs 120 positions and the bundle holds" in r.stderr
 

@@ -87,6 +87,8 @@ def test_bad_operands_get_an_error_that_names_them():
         _run(torch.randn(1, K + 32), w)
     with pytest.raises(RuntimeError, match="mins go with the affine layouts only"):
         cpu.packed_linear(x, "q4a", 32, w.qweight, w.scales, None)
+    with pytest.raises(RuntimeError, match="packed_linear: unknown layout id 9"):
+        torch.ops.onecopy_cpu.packed_linear(x, w.qweight, w.scales, w.mins, 9, 32)
     with pytest.raises(RuntimeError, match="group 16 must be a multiple of 32"):
         torch.ops.onecopy_cpu.packed_linear(x, w.qweight, w.scales.repeat(1, 2), w.mins.repeat(1, 2), 3, 16)
 
@@ -112,3 +114,15 @@ def test_the_avx2_and_plain_paths_agree_with_float64_too(tmp_path):
         r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                            env={**os.environ, "ATEN_CPU_CAPABILITY": cap})
         assert r.returncode == 0 and r.stdout.strip() == "ok", (cap, r.stderr[-2000:])
+
+
+def test_a_method_naming_the_cpu_kernels_is_refused_on_cuda():
+    from types import SimpleNamespace
+
+    from onecopy.errors import DeviceMismatchError
+    from onecopy.runtime.method import _load_native_ops
+
+    spec = SimpleNamespace(name="decode", native_ops=["onecopy_cpu"])
+    with pytest.raises(DeviceMismatchError, match=r"method 'decode' calls the CPU kernels \(onecopy_cpu\); load the "
+                                                  "bundle on the CPU it was exported for"):
+        _load_native_ops(spec, torch.device("cuda"))

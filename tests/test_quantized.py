@@ -174,6 +174,8 @@ def test_every_gguf_type_stays_packed_and_generates_like_the_dequantized_model(g
     assert m["packed"]["output"]["source"] == "Q6_K" and m["packed"]["tok_embeddings"]["layout"] == "q8s"
     # layer 0's q/k are Q4_K and v is Q6_K: one fused wqkv cannot hold both, so it stays float
     assert "layers.0.attention.wqkv" not in m["packed"] and "layers.0.attention.wqkv.weight" in m["weights"]
+    # its methods call the CPU kernel by name: the runtime loads that library before the packages
+    assert {k: v["native_ops"] for k, v in m["methods"].items()} == {k: ["onecopy_cpu"] for k in m["methods"]}
     float_model = src.build(TINY_MAX_SEQ_LEN, torch.float32)  # the dequantized GGUF
     packed_model = src.build(TINY_MAX_SEQ_LEN, torch.float32)
     assert pack_gguf(packed_model, src.packed)[1] == ["layers.0.attention.wqkv"]

@@ -155,6 +155,9 @@ def test_memory_budget_sizes_the_pool(tiny_bundle):
     with pytest.raises(onecopy.SessionCapacityError, match=r"max_sessions=5 rows take .* fewer than one session at "
                                                            r"max_seq_len needs .*; ask for fewer sessions"):
         onecopy.Engine.load(tiny_bundle, memory_budget=6 * fixed + one_session, max_sessions=5)  # the scratch block
+    with pytest.raises(onecopy.SessionCapacityError, match=r"max_sessions=5 and kv_blocks=40 need \d+ bytes of state "
+                                                           r".* leaves \d+; ask for fewer sessions or blocks"):
+        onecopy.Engine.load(tiny_bundle, memory_budget=int(3.5 * per), max_sessions=5, kv_blocks=40)
 
 
 def test_pool_sizing_rules(monkeypatch):
