@@ -156,7 +156,8 @@ def test_a_bundle_with_an_unknown_layout_is_refused_and_nothing_is_loaded(quanti
     m["packed"]["layers.0.attention.wo"]["layout"] = "q3x"
     (b / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(UnknownWeightLayoutError, match=r"layer 'layers.0.attention.wo' has weight layout 'q3x', "
-                                                       r"which this onecopy cannot read \(it reads q8s, q4z, q4a, q8a, f8r\)"):
+                                                       r"which this onecopy cannot read \(it reads q8s, q4z, q4a, q8a, f8r, "
+                                                       r"q4z_mma, q4a_mma, q8s_mma\)"):
         onecopy.Engine.load(b)
     m["packed"]["layers.0.attention.wo"].update(layout=MODES[quantized[0]][0], shape=[64, 128])
     (b / "manifest.json").write_text(json.dumps(m))

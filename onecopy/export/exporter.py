@@ -19,11 +19,12 @@ from ..bundle import (FORMAT_VERSION, MANIFEST, TOKENIZER, WEIGHTS, Manifest, Me
                       sha256, sha256_many, tensor_view)
 from ..errors import ExportError, OnecopyError
 from ..kernels.cpu import LIBRARY as CPU_LIBRARY
+from ..kernels import native
 from ..kernels.native import LIBRARY as NATIVE_LIBRARY
 from ..layouts import GROUPS
 from ..models import kv_quant
 from ..models.base import MethodDef
-from ..models.quantize import DEFAULT_GROUP, QUANTIZE_MODES, pack_gguf, packed_layers, quantize_model
+from ..models.quantize import DEFAULT_GROUP, QUANTIZE_MODES, order_tiles, pack_gguf, packed_layers, quantize_model
 from ..models.source import ModelSource, resolve_source
 from ..toolchain import pick_cxx
 from .compile_worker import CompileWorkers, Compiled, compile_jobs, compile_package, make_task
@@ -121,8 +122,10 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
     float32 scale per position and head (`models.kv_quant`; Llama family, paged KV): about half the bytes
     per session and per decode step's read. The state's dtypes in the manifest say which.
     ``native_kernels``: a CUDA export decodes an 8-bit cache with the CUDA C++ kernel where it serves the
-    shapes (`kernels.native`, built here with nvcc); the manifest lists it under each method's
-    ``native_ops`` and the runtime loads it first. False keeps the Triton kernel (the comparison).
+    shapes (`kernels.native`, built here with nvcc), writes packed int4 / int8 projections in the tile
+    order of its packed-projection kernel (the ``_mma`` layouts, `models.mma_order`) and multiplies FP8
+    weights by its FP8 kernel for up to 16 rows; the manifest lists the library under each method's
+    ``native_ops`` and the runtime loads it first. False keeps the Triton kernels and cuBLAS (the comparison).
     ``progress``: a bar of the export's steps on stderr, with its notes (the source being read, GGUF layers
     kept float) above it; without it the notes are logged at INFO (`progress_note`).
     ``jobs``: how many methods compile at once, each in a worker process (`export.compile_worker`); None: one
@@ -183,6 +186,9 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
                               f"again to {quantize}, pass dequantize=True too (--dequantize)")
         model = src.build(max_seq_len, dtype, device)
         sources = _pack(model, src, dequantize, quantize, group_size, progress)
+        if sources and device == "cuda" and native_kernels and native.linear_serves(device):
+            order_tiles(model)  # the native decode kernel's tile order (the manifest names the _mma layouts)
+            native.load()  # its ops exist before any method that calls them is traced
         if hasattr(model, "paged_state"):  # the families whose KV can be paged
             model.kv_block = kv_block
         if kv_storage is not None:
@@ -217,7 +223,8 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
         # every method is traced (and checked) before the export goes on; with workers, the longest compile first
         for name in trace_order(methods, available) if workers is not None else methods:
             bar.step(f"export {name}")
-            exported[name] = _export_method(available[name], name, declared)
+            with native.use(native_kernels):  # the projections' native kernels, or never (the comparison)
+                exported[name] = _export_method(available[name], name, declared)
             ep = exported[name][0]
             libraries[name] = op_libraries(ep, (NATIVE_LIBRARY, CPU_LIBRARY))
             clock.lap(f"trace {name}")

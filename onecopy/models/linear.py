@@ -21,14 +21,16 @@ from torch import nn
 
 from .. import kernels
 from ..kernels import cpu as cpu_kernels
+from ..kernels import native
 from . import invariant
-from .packed import ACTIVATION_QUANTIZED, LAYOUT_IDS, Packed, PackedLayer, Weight, dequantize, fp8_linear, kernel_linear
+from .packed import (ACTIVATION_QUANTIZED, LAYOUT_IDS, MMA_LAYOUT_IDS, Packed, PackedLayer, Weight, dequantize, fp8_linear,
+                     kernel_linear)
 
 
 def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, bias)`` for a float or a packed weight. On the CPU a packed one is read packed by
     `kernels.cpu.packed_linear` where it serves (else dequantized in the graph). On CUDA it is dequantized
-    for cuBLAS by one kernel (`kernels.dequantize`), except where few rows read
+    for cuBLAS by one kernel (`kernels.dequantize`; a tile-ordered one by `kernels.native.unpack`), except where few rows read
     it: a batch-invariant CUDA decode (`invariant.linear_rows`) and, on CUDA, any product of a fixed
     number of at most `kernels.SMALL_LINEAR_ROWS` rows (a prefill's LM head on its last position), which
     read it packed in the small-linear kernel rather than write and read the whole matrix in x's dtype."""
@@ -45,6 +47,8 @@ def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         return F.linear(x, dequantize(w, x.dtype), bias)
     elif isinstance(rows.shape[0], int) and rows.shape[0] <= kernels.SMALL_LINEAR_ROWS:
         y = kernel_linear(rows, w)[0]
+    elif w.layout in MMA_LAYOUT_IDS:  # tile-ordered: the native kernel writes the float copy
+        return F.linear(x, native.unpack(w.qweight, w.scales, w.mins, MMA_LAYOUT_IDS[w.layout], w.group, x.dtype), bias)
     else:
         return F.linear(x, kernels.dequantize(w.qweight, w.scales, w.mins, LAYOUT_IDS[w.layout], w.group, x.dtype), bias)
     y = y.reshape(*x.shape[:-1], w.out_features)  # the kernels' rows back in x's shape

@@ -28,7 +28,9 @@ import torch
 from torch import nn
 
 from .. import kernels
-from ..layouts import LAYOUT_IDS, LAYOUTS, PACKED_PARTS, check_packed
+from ..kernels import native
+from ..layouts import LAYOUT_IDS, LAYOUTS, MMA_LAYOUT_IDS, MMA_LAYOUTS, PACKED_PARTS, check_packed
+from .mma_order import PLAIN_LAYOUTS, order_groups, order_values, unorder_groups, unorder_values
 
 ACTIVATION_QUANTIZED = frozenset({"f8r"})  # layouts multiplied by `fp8_linear`, not read by the Triton kernels
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn value
@@ -71,10 +73,26 @@ class Packed(NamedTuple):
 Weight = torch.Tensor | Packed  # what a projection reads: a float matrix or a packed one
 
 
+def tile_ordered(w: Packed) -> Packed:
+    """``w`` (q4z, q4a or q8s, `mma_order.orderable`) in the native CUDA kernel's tile order (the ``_mma`` layout)."""
+    return Packed(MMA_LAYOUTS[w.layout], w.group, order_values(w.qweight, w.layout), order_groups(w.scales),
+                  None if w.mins is None else order_groups(w.mins))
+
+
+def stored_order(w: Packed) -> Packed:
+    """``w`` in its stored (row-major) order: a tile-ordered weight turned back, any other as it is. Traceable."""
+    if w.layout not in MMA_LAYOUT_IDS:
+        return w
+    return Packed(PLAIN_LAYOUTS[w.layout], w.group, unorder_values(w.qweight, w.layout), unorder_groups(w.scales),
+                  None if w.mins is None else unorder_groups(w.mins))
+
+
 def dequantize(w: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The float weight [N, K] in ``dtype``: computed in float32 (s * q exact, one rounding at + m), then
     rounded once to ``dtype``; for a GGUF tensor the float32 is bit for bit gguf's dequantization
-    (`gguf_repack`). Traceable: the CPU and prefill graphs dequantize with it."""
+    (`gguf_repack`). Traceable: the CPU and prefill graphs dequantize with it (a tile-ordered weight is
+    read back to its stored order first)."""
+    w = stored_order(w)
     n, k = w.shape
     q = w.qweight
     if LAYOUTS[w.layout][0] == 2:
@@ -103,8 +121,15 @@ def fp8_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None) -> 
     """``F.linear(x, w, bias)`` for an ``f8r`` weight, on the FP8 tensor cores: x's rows quantized to e4m3
     (`quantize_rows`), one ``torch._scaled_mm`` with the row and feature scales, in x's dtype. Each output
     row depends on its input row alone in exact arithmetic, but the GEMM's kernel (its tiles) is cuBLAS's
-    or CUTLASS's choice per batch size: not batch-invariant bit for bit."""
+    or CUTLASS's choice per batch size: not batch-invariant bit for bit.
+    On CUDA with the native kernels (`kernels.native.fp8_serves`) one op does both: up to 8 rows a GEMV
+    kernel that quantizes the rows as it reads them (cuBLAS's GEMM at one row was slower than bf16), more
+    rows this same quantization and ``_scaled_mm``."""
     rows = x.reshape(-1, x.shape[-1])
+    if native.fp8_serves(x):
+        y = native.fp8_linear(rows, w.qweight, w.scales)
+        y = y.reshape(*x.shape[:-1], w.out_features)
+        return y if bias is None else y + bias
     q, s = quantize_rows(rows)
     y = torch._scaled_mm(q, w.qweight.t(), scale_a=s, scale_b=w.scales.reshape(1, -1), out_dtype=x.dtype)
     y = y.reshape(*x.shape[:-1], w.out_features)
@@ -124,7 +149,13 @@ def has_activation_quantized(module: nn.Module) -> bool:
 
 def kernel_linear(x: torch.Tensor, w: Weight, **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """`kernels.small_linear` (same ``options``) of a float or a packed weight, the packed one read as it
-    is stored (CUDA only)."""
+    is stored (CUDA only); a tile-ordered one (``_mma``) by the native op (`kernels.native.packed_linear`, the
+    same folds; its kernel's rows are batch-invariant in any block of rows, so ``block_m`` does not apply, and
+    ``invariant`` keeps the kernel for every batch size)."""
+    if isinstance(w, Packed) and w.layout in MMA_LAYOUT_IDS:
+        return native.packed_linear(x, w.qweight, w.scales, w.mins, MMA_LAYOUT_IDS[w.layout], w.group,
+                                    residual=options.get("residual"), glu=options.get("glu", False),
+                                    norm=options.get("norm"), invariant=options.get("invariant", False))
     if isinstance(w, Packed):
         options["packed"] = (w.scales, w.mins, LAYOUT_IDS[w.layout], w.group)
         w = w.qweight

@@ -20,7 +20,8 @@ from torch import nn
 from ..errors import ExportError
 from ..layouts import GROUPS, LAYOUTS
 from .linear import PackedLinear
-from .packed import FP8_MAX, Packed, PackedEmbedding
+from .mma_order import orderable
+from .packed import FP8_MAX, Packed, PackedEmbedding, tile_ordered
 
 QUANTIZE_MODES = {"int8": "q8s", "int4": "q4a", "fp8": "f8r"}  # --quantize -> layout
 DEFAULT_GROUP = 128
@@ -120,6 +121,19 @@ def pack_gguf(model: nn.Module, packed: dict[str, Any]) -> tuple[dict[str, str],
         _replace(model, name, Packed(ws[0].layout, ws[0].group, *cat))
         sources[name] = "+".join(dict.fromkeys(w.qtype for w in ws))
     return sources, kept_float
+
+
+def order_tiles(model: nn.Module) -> list[str]:
+    """Rewrite every packed projection of ``model`` that has a tile order (`mma_order.orderable`) in it, in
+    place (the ``_mma`` layouts the native CUDA decode kernel reads; an export for CUDA does this). Embedding
+    tables keep their order (their rows are gathered, not multiplied). Returns the layers rewritten."""
+    done = []
+    for name, m in model.named_modules():
+        if isinstance(m, PackedLinear) and orderable(m.layout, m.group, m.weight.shape):
+            w = tile_ordered(m.weight)
+            m.layout, m.qweight, m.scales, m.mins = w.layout, w.qweight, w.scales, w.mins
+            done.append(name)
+    return done
 
 
 def packed_layers(model: nn.Module, source: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:

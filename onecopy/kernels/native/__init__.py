@@ -1,28 +1,99 @@
 """CUDA kernels written in CUDA C++ rather than Triton, as the ``torch.ops.onecopy_native`` ops.
 
-Today one family: decode attention over an 8-bit paged KV cache (`decode_q8.cu`; the module comment there
-says why it is not Triton). AOTInductor cannot embed a CUDA C++ kernel the way it embeds Triton's, so a
-package that uses these ops calls them by name (its proxy executor) and the process must have this
-library loaded before the package is: `load` builds it for the device in hand (nvcc and a C++ compiler
-that links libstdc++ dynamically, `toolchain.pick_cxx`; about 30 s the first time, then cached
-under torch's extensions folder and only loaded) and registers the ops; `runtime.method.Method` calls it
-for the methods whose manifest entry lists `LIBRARY` in ``native_ops``.
+Two families: decode attention over an 8-bit paged KV cache (`decode_q8.cu`), and the decode step's packed
+projections (`packed_linear.cu`: int4 / int8 weights in the tile order the export writes, `models.mma_order`,
+and FP8 weights for up to 8 rows); the comments there say why they are not Triton. AOTInductor cannot embed
+a CUDA C++ kernel the way it embeds Triton's, so a package that uses these ops calls them by name (its proxy
+executor) and the process must have this library loaded before the package is: `load` builds it for the
+device in hand (nvcc and a C++ compiler that links libstdc++ dynamically, `toolchain.pick_cxx`; about 30 s
+the first time, then cached under torch's extensions folder and only loaded) and registers the ops;
+`runtime.method.Method` calls it for the methods whose manifest entry lists `LIBRARY` in ``native_ops``.
 
-`supported` says whether an op's shapes and the device take the kernel; otherwise the models keep the
+`supported` (the decode attention), `linear_serves` and `fp8_serves` (the projections) say whether the
+device and shapes take a kernel; otherwise the models keep the
 Triton op (`kernels.ops`), so a bundle exported where this library cannot build still works.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 LIBRARY = "onecopy_native"
-_SOURCES = ("ops.cpp", "decode_q8.cu")
+_SOURCES = ("ops.cpp", "decode_q8.cu", "packed_linear.cu")
+KERNEL_MAX_ROWS = 32  # kKernelMaxRows: the packed-projection op's kernel rows (more: unpack + cuBLAS)
+FP8_MAX_ROWS = 8  # kFp8MaxRows: the FP8 GEMV kernel's rows; the op runs cuBLAS's FP8 GEMM for more
+# Whether traced or eager projections may call these kernels (the KV decode has its own switch, the model's
+# ``native_kernels``): the export sets it for the methods it traces (``native_kernels=False`` keeps Triton and
+# cuBLAS, the comparison). Per context, not per process.
+_ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("onecopy_native_kernels", default=True)
+
+
+@contextlib.contextmanager
+def use(enabled: bool) -> Iterator[None]:
+    """While active, the projections take these kernels where they serve (``enabled``) or never."""
+    token = _ENABLED.set(enabled)
+    try:
+        yield
+    finally:
+        _ENABLED.reset(token)
+
+
+def _buildable() -> bool:
+    home = _cuda_home()
+    return loaded() or shutil.which("nvcc") is not None or (home is not None and os.path.exists(f"{home}/bin/nvcc"))
+
+
+def linear_serves(device: torch.device | str) -> bool:
+    """True when the packed-projection kernel can run on ``device``: CUDA sm_80+, the library buildable, enabled."""
+    device = torch.device(device)
+    return (_ENABLED.get() and device.type == "cuda" and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(device) >= (8, 0) and _buildable())
+
+
+def fp8_serves(x: torch.Tensor) -> bool:
+    """True when `fp8_linear` takes x's rows: bf16 or fp16 on a CUDA sm_89+ device (FP8 tensor cores)."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and linear_serves(x.device)
+            and torch.cuda.get_device_capability(x.device) >= (8, 9))
+
+
+def packed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                  layout: int, group: int, residual: torch.Tensor | None = None, glu: bool = False,
+                  norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                  invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's rows x [M, K] (bf16) times a tile-ordered packed weight (``layout``:
+    layouts.MMA_LAYOUT_IDS), with the folds of `kernels.small_linear` (``norm`` = (weight, partial sums of
+    squares of x's rows [M, P], eps) before, SwiGLU of a gate/up weight or a residual add after). Returns
+    the output [M, N'] and its rows' sums of squares per 16 outputs [M, N' / 16] (for the next norm).
+    Up to `KERNEL_MAX_ROWS` rows (any number with ``invariant``: a row's bits then never depend on the batch)
+    the kernel; more, the weight unpacked for cuBLAS's GEMM and the folds as ATen ops."""
+    load()
+    nw, ss, eps = norm if norm is not None else (None, None, 0.0)
+    return torch.ops.onecopy_native.packed_linear(x, qweight, scales, mins, residual, nw, ss, eps, glu, layout, group,
+                                                  invariant)
+
+
+def unpack(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, layout: int, group: int,
+           dtype: torch.dtype) -> torch.Tensor:
+    """A tile-ordered packed weight as a float [N, K] in ``dtype`` (`models.packed.dequantize`'s arithmetic)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"unpack writes bfloat16 or float16, not {dtype}")
+    load()
+    return torch.ops.onecopy_native.unpack_weight(qweight, scales, mins, layout, group, dtype == torch.float16)
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (rows quantized to e4m3 inside, `models.packed.quantize_rows`) times an e4m3 weight [N, K]
+    with float32 scales (N of them), in x's dtype."""
+    load()
+    return torch.ops.onecopy_native.fp8_linear(x, w, scales.reshape(-1))
 
 
 def supported(head_dim: int, group: int, kv_dtype: torch.dtype, device: torch.device | str = "cuda") -> bool:
@@ -36,8 +107,7 @@ def supported(head_dim: int, group: int, kv_dtype: torch.dtype, device: torch.de
     need = (8, 9) if kv_dtype == torch.float8_e4m3fn else (8, 0)
     if (major, minor) < need:
         return False
-    home = _cuda_home()
-    return loaded() or shutil.which("nvcc") is not None or (home is not None and os.path.exists(f"{home}/bin/nvcc"))
+    return _buildable()
 
 
 def loaded() -> bool:
@@ -89,3 +159,17 @@ def _register_fakes() -> None:
     @torch.library.register_fake(f"{LIBRARY}::paged_decode_rope_q8")
     def _(qkv, cos, sin, k_pool, v_pool, k_scale, v_scale, table, rows, lengths, splits, block):
         return heads_out(qkv, k_pool, True)
+
+    @torch.library.register_fake(f"{LIBRARY}::packed_linear")
+    def _(x, qweight, scales, mins, residual, norm_weight, ss, eps, glu, layout, group, invariant=False):
+        n_out = qweight.shape[0] // 2 if glu else qweight.shape[0]
+        return x.new_empty((x.shape[0], n_out)), x.new_empty((x.shape[0], n_out // 16), dtype=torch.float32)
+
+    @torch.library.register_fake(f"{LIBRARY}::unpack_weight")
+    def _(qweight, scales, mins, layout, group, half):
+        return qweight.new_empty((qweight.shape[0], qweight.shape[1] * (1 if layout == 3 else 2)),
+                                 dtype=torch.float16 if half else torch.bfloat16)
+
+    @torch.library.register_fake(f"{LIBRARY}::fp8_linear")
+    def _(x, w, ws):
+        return x.new_empty((x.shape[0], w.shape[0]))

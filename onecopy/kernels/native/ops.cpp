@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "decode_q8.h"
+#include "packed_linear.h"
 
 namespace {
 
@@ -101,6 +102,163 @@ at::Tensor paged_decode_rope_q8(const at::Tensor& qkv, const at::Tensor& cos, co
   return decode_q8(qkv, cos, sin, k_pool, v_pool, k_scale, v_scale, table, rows, lengths, splits, block);
 }
 
+void check_launch(int err, const char* what) {
+  TORCH_CHECK(err == 0, what, " launch failed: ", err == -1 ? "unsupported shape or layout" :
+              cudaGetErrorString(static_cast<cudaError_t>(err)));
+}
+
+// A tile-ordered packed weight as a float matrix [N, K] in `dtype` (a prefill's cuBLAS GEMM reads it).
+// (The output dtype is a flag, not a ScalarType: AOTInductor's proxy executor did not hand the op a ScalarType
+// argument intact.)
+at::Tensor unpack_weight(const at::Tensor& qweight_in, const at::Tensor& scales_in, const std::optional<at::Tensor>& mins_in,
+                         int64_t layout, int64_t group, bool half) {
+  const int64_t per_byte = layout == onecopy_native::kQ8sMma ? 1 : 2;
+  const at::ScalarType dtype = half ? at::kHalf : at::kBFloat16;
+  const auto qweight = qweight_in.contiguous(), scales = scales_in.contiguous();
+  const std::optional<at::Tensor> mins = mins_in.has_value() ? std::optional<at::Tensor>(mins_in->contiguous()) : std::nullopt;
+  const int64_t n = qweight.size(0), k = qweight.size(1) * per_byte;
+  TORCH_CHECK(qweight.is_cuda() && qweight.dim() == 2, "unpack_weight: qweight must be a CUDA [N, K / values per byte] tensor");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == n * (k / group),
+              "unpack_weight: scales must be float32 [N, K / group] (", n, " x ", k / group, "), got ", scales.sizes());
+  TORCH_CHECK((layout == onecopy_native::kQ4aMma) == mins.has_value(), "unpack_weight: mins go with q4a_mma alone");
+  c10::cuda::CUDAGuard guard(qweight.device());
+  auto out = at::empty({n, k}, qweight.options().dtype(dtype));
+  onecopy_native::UnpackParams p{};
+  p.w = qweight.data_ptr();
+  p.s = scales.data_ptr<float>();
+  p.mn = mins.has_value() ? mins->data_ptr<float>() : nullptr;
+  p.out = out.data_ptr();
+  p.n = static_cast<int>(n); p.k = static_cast<int>(k); p.group = static_cast<int>(group);
+  p.layout = static_cast<int>(layout); p.bf16 = dtype == at::kBFloat16;
+  check_launch(onecopy_native::unpack_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "unpack_weight");
+  return out;
+}
+
+// Past kKernelMaxRows rows the kernel re-reads each weight tile once per 32 rows and loses to cuBLAS: the weight
+// is unpacked to bf16 (one kernel) for cuBLAS's GEMM, the folds run as ATen ops with the eager model's roundings.
+// A row's bits then depend on the batch size, so the batch-invariant decode (`invariant`) keeps the kernel.
+std::tuple<at::Tensor, at::Tensor> packed_linear_by_gemm(const at::Tensor& x, const at::Tensor& qweight,
+                                                         const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                                                         const std::optional<at::Tensor>& residual,
+                                                         const std::optional<at::Tensor>& norm_weight,
+                                                         const std::optional<at::Tensor>& ss, double eps, bool glu,
+                                                         int64_t layout, int64_t group) {
+  const int64_t m = x.size(0), k = x.size(1), n_out = glu ? qweight.size(0) / 2 : qweight.size(0);
+  const auto w = unpack_weight(qweight, scales, mins, layout, group, false);
+  at::Tensor xin = x;
+  if (norm_weight.has_value()) {  // the eager RMSNorm's roundings: x * rstd, then times the norm's weight
+    const auto rstd = at::rsqrt(ss->sum({1}, true) / static_cast<double>(k) + eps);
+    const auto xn = (x.to(at::kFloat) * rstd).to(at::kBFloat16);
+    xin = (xn.to(at::kFloat) * norm_weight->to(at::kFloat)).to(at::kBFloat16);
+  }
+  const auto acc = at::matmul(xin, w.t());  // bf16, as the eager linear
+  at::Tensor y;
+  if (glu) {  // silu(gate) * up, each rounded to bf16 as the kernel (and the eager ops) do
+    const auto g = acc.slice(1, 0, n_out).to(at::kFloat);
+    const auto up = acc.slice(1, n_out).to(at::kFloat);
+    y = ((g * at::sigmoid(g)).to(at::kBFloat16).to(at::kFloat) * up).to(at::kBFloat16);
+  } else {
+    y = acc;
+  }
+  if (residual.has_value()) y = (residual->to(at::kFloat) + y.to(at::kFloat)).to(at::kBFloat16);
+  auto ss_out = y.to(at::kFloat).pow(2).reshape({m, n_out / 16, 16}).sum(-1);
+  return {y.contiguous(), ss_out.contiguous()};
+}
+
+// The decode step's packed projection (packed_linear.cu): out [M, N'] and its rows' sums of squares per 16
+// outputs [M, N' / 16] (float32), N' = N or N / 2 with `glu`; past kKernelMaxRows rows (unless `invariant`)
+// packed_linear_by_gemm.
+std::tuple<at::Tensor, at::Tensor> packed_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
+                                                 const std::optional<at::Tensor>& mins,
+                                                 const std::optional<at::Tensor>& residual,
+                                                 const std::optional<at::Tensor>& norm_weight,
+                                                 const std::optional<at::Tensor>& ss, double eps, bool glu,
+                                                 int64_t layout, int64_t group, bool invariant) {
+  TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x must be bfloat16 [M, K]");
+  const auto x = x_in.stride(1) == 1 && x_in.stride(0) % 8 == 0 ? x_in : x_in.contiguous();  // 8-byte row loads
+  const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0);
+  const int64_t per_byte = layout == onecopy_native::kQ8sMma ? 1 : 2;
+  TORCH_CHECK(qweight.is_contiguous() && qweight.size(1) * per_byte == k && scales.is_contiguous() &&
+                  scales.scalar_type() == at::kFloat && scales.numel() == n * (k / group),
+              "qweight [N, K / values per byte] and float32 scales [N, K / group] (contiguous) must match x's K");
+  TORCH_CHECK((layout == onecopy_native::kQ4aMma) == mins.has_value(), "mins go with the q4a layout alone");
+  const int64_t n_out = glu ? n / 2 : n;
+  TORCH_CHECK(onecopy_native::packed_linear_supported(static_cast<int>(layout), static_cast<int>(group),
+                                                      static_cast<int>(n), static_cast<int>(k)) && n_out % 16 == 0,
+              "unsupported packed weight (packed_linear_supported): layout ", layout, ", group ", group, ", [", n, ", ",
+              k, "]");
+  c10::cuda::CUDAGuard guard(x.device());
+  if (!invariant && m > onecopy_native::kKernelMaxRows)
+    return packed_linear_by_gemm(x, qweight, scales, mins, residual, norm_weight, ss, eps, glu, layout, group);
+  auto out = at::empty({m, n_out}, x.options());
+  auto ss_out = at::empty({m, n_out / 16}, x.options().dtype(at::kFloat));
+  onecopy_native::PackedLinearParams p{};
+  p.x = x.data_ptr();
+  p.stride_x = x.stride(0);
+  p.w = qweight.data_ptr();
+  p.s = scales.data_ptr<float>();
+  p.mn = mins.has_value() ? mins->data_ptr<float>() : nullptr;
+  if (norm_weight.has_value()) {
+    TORCH_CHECK(ss.has_value() && norm_weight->is_contiguous() && norm_weight->numel() == k &&
+                    norm_weight->scalar_type() == at::kBFloat16 && ss->scalar_type() == at::kFloat &&
+                    ss->dim() == 2 && ss->size(0) == m && ss->stride(1) == 1,
+                "a norm needs its bfloat16 weight [K] and float32 partial sums of squares [M, P]");
+    p.nw = norm_weight->data_ptr();
+    p.ss = ss->data_ptr<float>();
+    p.stride_ss = ss->stride(0);
+    p.p_in = static_cast<int>(ss->size(1));
+    p.eps = static_cast<float>(eps);
+  }
+  at::Tensor res;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->scalar_type() == at::kBFloat16 && residual->dim() == 2 && residual->size(0) == m &&
+                    residual->size(1) == n_out, "residual must be bfloat16 [M, N]");
+    res = residual->stride(1) == 1 ? *residual : residual->contiguous();
+    p.res = res.data_ptr();
+    p.stride_r = res.stride(0);
+  }
+  p.out = out.data_ptr();
+  p.stride_o = out.stride(0);
+  p.ss_out = ss_out.data_ptr<float>();
+  p.m = static_cast<int>(m); p.n_out = static_cast<int>(n_out); p.k = static_cast<int>(k);
+  p.group = static_cast<int>(group); p.layout = static_cast<int>(layout); p.glu = glu;
+  check_launch(onecopy_native::packed_linear_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "packed_linear");
+  return {out, ss_out};
+}
+
+// x's rows quantized to e4m3 (models/packed.py's quantize_rows) times an FP8 weight [N, K] (e4m3, a float32 scale
+// per output feature): the GEMV kernel for up to kFp8MaxRows (8) rows (it quantizes the rows as it reads them),
+// the same quantization in ATen and torch._scaled_mm (cuBLAS) for more.
+at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ws) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) &&
+                  w.scalar_type() == at::kFloat8_e4m3fn && w.dim() == 2 && x.size(1) == w.size(1) &&
+                  ws.scalar_type() == at::kFloat && ws.numel() == w.size(0),
+              "fp8_linear takes bf16/fp16 rows [M, K] and an e4m3 weight [N, K] with float32 scales [N]");
+  const int64_t m = x.size(0), n = w.size(0), k = w.size(1);
+  c10::cuda::CUDAGuard guard(x.device());
+  if (m > onecopy_native::kFp8MaxRows || !onecopy_native::fp8_linear_supported(static_cast<int>(n), static_cast<int>(k))) {
+    auto xf = x.to(at::kFloat);
+    auto s = xf.abs().amax({-1}, true).clamp_min(1e-12) / 448.0;
+    auto q = (xf / s).clamp(-448.0, 448.0).to(at::kFloat8_e4m3fn);
+    return at::_scaled_mm(q, w.t(), s, ws.reshape({1, n}), std::nullopt, std::nullopt, x.scalar_type());
+  }
+  auto xc = x.stride(1) == 1 && x.stride(0) % 8 == 0 ? x : x.contiguous();
+  auto wc = w.contiguous();
+  auto wsc = ws.contiguous();
+  auto out = at::empty({m, n}, x.options());
+  onecopy_native::Fp8LinearParams p{};
+  p.x = xc.data_ptr();
+  p.stride_x = xc.stride(0);
+  p.w = wc.data_ptr();
+  p.ws = wsc.data_ptr<float>();
+  p.out = out.data_ptr();
+  p.stride_o = out.stride(0);
+  p.m = static_cast<int>(m); p.n = static_cast<int>(n); p.k = static_cast<int>(k);
+  p.bf16 = x.scalar_type() == at::kBFloat16;
+  check_launch(onecopy_native::fp8_linear_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "fp8_linear");
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(onecopy_native, m) {
@@ -109,9 +267,16 @@ TORCH_LIBRARY(onecopy_native, m) {
   m.def("paged_decode_rope_q8(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, "
         "Tensor(c!) k_scale, Tensor(d!) v_scale, Tensor table, Tensor rows, Tensor lengths, SymInt splits, "
         "int block) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? residual, Tensor? norm_weight, "
+        "Tensor? ss, float eps, bool glu, int layout, int group, bool invariant=False) -> (Tensor, Tensor)");
+  m.def("unpack_weight(Tensor qweight, Tensor scales, Tensor? mins, int layout, int group, bool half) -> Tensor");
+  m.def("fp8_linear(Tensor x, Tensor w, Tensor ws) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(onecopy_native, CUDA, m) {
   m.impl("paged_decode_q8", &paged_decode_q8);
   m.impl("paged_decode_rope_q8", &paged_decode_rope_q8);
+  m.impl("packed_linear", &packed_linear);
+  m.impl("unpack_weight", &unpack_weight);
+  m.impl("fp8_linear", &fp8_linear);
 }

@@ -1,0 +1,697 @@
+// Weight-only packed projections for a decode step's rows (int4 / int8 values with per-group scales, bf16
+// activations, fp32 accumulation) and an FP8 weight x FP8 activation product for up to 16 rows, on the tensor
+// cores' register fragments.
+//
+// Why CUDA: the Triton small-linear kernel dequantizes every value in fp32 (shift, mask, convert, multiply,
+// add, round: ~8 instructions a value) and so reads int4 weights at ~1 TB/s, a fifth of what HBM gives.
+// Here a warp loads each weight tile with one 16-byte load per thread straight into the registers the MMA
+// reads (the export writes the weights in that order: models/mma_order.py), turns two 4-bit values into two
+// exact bf16 integers with one LOP3 and one bf16x2 FMA (the 0x4300 | q = 128 + q trick), and multiplies the
+// integers on the tensor cores; each group's scale (and min) is applied to the fp32 sums after the MMAs,
+// which is both fewer instructions and one rounding fewer than dequantizing to bf16 first.
+//
+// Swap A and B: the weight is the MMA's A (16 output features x 16 values), the rows of x its B (8 rows per
+// n-tile): one row uses one column of the n-tile, so a row's arithmetic never depends on the others (batch
+// invariance: each row's bits are the same whatever the batch; the folds' sums are per row as well).
+// One CTA per 16 output features (and, for a fused gate/up weight, the 16 matching up features) and block of
+// rows; its 8 warps take the reduction dimension's 64-value chunks in turn (split-K inside the CTA) and add
+// their sums in a fixed tree at the end, so that every SM streams weights even for the 4096-wide projections.
+//
+// Tile order (one 16-feature tile, one chunk of CH values: 32 lanes x 16 bytes; lane = 4 g + t):
+//   int4 (CH 64): word j (one 16-value MMA step) nibble 4r + 16e = element e of fragment register r, i.e.
+//     W[g + 8 (r & 1)][16 j + 4 t + 2 (r >> 1) + e]; x's matching values are x[row][16 j + 4 t + 0..3].
+//   int8 (CH 32): word 2 j + h, byte 2 e + p = W[g + 8 h][16 j + 4 t + 2 p + e].
+//   scales (and mins): [tile][K / group][16].
+// The reduction index is permuted (a thread's fragment slots 2t, 2t+1, 2t+8, 2t+9 hold 4 consecutive values)
+// identically in A and B, so the products are the same; a step's 16 values stay inside one group.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "packed_linear.h"
+
+namespace onecopy_native {
+
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = 32 * kWarps;
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_fp8(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                        uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
+// Programmatic dependent launch (sm_90+): a projection's weights do not depend on the kernel before it, so its
+// CTAs start (and issue their weight loads) while that kernel finishes, and wait for its results only before
+// reading x; each kernel lets the next one start as soon as all its CTAs run. No-ops on older GPUs, and where the
+// launch did not allow overlap (then the kernel started after its predecessor anyway).
+__device__ __forceinline__ void allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_inputs() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// (a & b) | c in one instruction.
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// a * b + c on two bf16 lanes (exact here: small integers).
+__device__ __forceinline__ uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// A weight chunk streams through once: keep it out of L1.
+__device__ __forceinline__ uint4 load_stream(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ float lo_f(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float hi_f(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 r = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+constexpr uint32_t kMagic = 0x43004300u;   // bf16 128 | q: 128 + q for q < 128
+constexpr uint32_t kOne = 0x3f803f80u;     // bf16x2 1.0
+constexpr uint32_t kMinusOne = 0xbf80bf80u;
+
+// Fragment register r of MMA step j of a chunk (see the tile order above), as bf16x2 exact integers:
+// int4 q - 8 (q4z) or q (q4a); int8 q.
+template <int L>
+__device__ __forceinline__ void dequant_step(const uint4& w, int j, uint32_t (&a)[4]) {
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+  if constexpr (L == kQ8sMma) {
+    // byte q: (128 + q's low 7 bits) - (128, or 256 for a negative q) = q, both exact in bf16
+    const uint32_t lo = words[2 * j], hi = words[2 * j + 1];
+    const uint32_t src[4] = {lo, hi, lo >> 8, hi >> 8};
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+      a[r] = fma2(and_or(src[r], 0x00800080u, kMagic), kMinusOne, and_or(src[r], 0x007f007fu, kMagic));
+  } else {
+    const uint32_t v = words[j];
+    constexpr uint32_t bias = L == kQ4zMma ? 0xc308c308u : 0xc300c300u;  // -136 (q - 8) or -128 (q)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) a[r] = fma2(and_or(v >> (4 * r), 0x000f000fu, kMagic), kOne, bias);
+  }
+}
+
+// A block's partial sums, added in a fixed tree over the warps ((w0 + w4) + (w2 + w6)) + ((w1 + w5) + (w3 + w7)):
+// the order never depends on the rows. `red` holds 4 x N x 32 floats; warp 0 returns with the totals.
+template <int N>
+__device__ __forceinline__ void reduce_warps(float (&v)[N], float* red, int warp, int lane) {
+#pragma unroll
+  for (int half = kWarps / 2; half >= 1; half /= 2) {
+    if (warp >= half && warp < 2 * half) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) red[((warp - half) * N + i) * 32 + lane] = v[i];
+    }
+    __syncthreads();
+    if (warp < half) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) v[i] += red[(warp * N + i) * 32 + lane];
+    }
+    __syncthreads();
+  }
+}
+
+// x's rows staged in shared memory (one coalesced read per CTA, the norm's weight applied once) when they take at
+// most this many bytes; wider blocks read their B fragments from global memory (L2) in the loop. Same values
+// either way: a row's bits do not depend on which.
+constexpr int kStageBytes = 64 * 1024;
+
+// x times the norm's weight, each product rounded to bf16 as the eager x * w (8 values).
+__device__ __forceinline__ uint4 times_norm(uint4 v, const __nv_bfloat16* nw, int k) {
+  const uint4 w = *reinterpret_cast<const uint4*>(nw + k);
+  v.x = pack_bf16(lo_f(v.x) * lo_f(w.x), hi_f(v.x) * hi_f(w.x));
+  v.y = pack_bf16(lo_f(v.y) * lo_f(w.y), hi_f(v.y) * hi_f(w.y));
+  v.z = pack_bf16(lo_f(v.z) * lo_f(w.z), hi_f(v.z) * hi_f(w.z));
+  v.w = pack_bf16(lo_f(v.w) * lo_f(w.w), hi_f(v.w) * hi_f(w.w));
+  return v;
+}
+
+// The largest power of two <= n, at least 1.
+__host__ __device__ constexpr int in_flight(int n) { return n >= 8 ? 8 : n >= 4 ? 4 : n >= 2 ? 2 : 1; }
+
+// L: layout; NT: 8-row n-tiles per CTA; GS: MMA steps per scale (a group's share of a chunk); G: 2 with a
+// fused gate/up weight; S: x staged in shared memory (dynamic, rows K + 8 values apart: no bank conflicts).
+template <int L, int NT, int GS, int G, bool S>
+__global__ void __launch_bounds__(kThreads, 2) packed_linear_kernel(PackedLinearParams p) {
+  constexpr int kCh = L == kQ8sMma ? 32 : 64;
+  constexpr int kSteps = kCh / 16;
+  constexpr bool kAffine = L == kQ4aMma;
+  constexpr int kRows = 8 * NT;
+  constexpr int kP = kSteps / GS;  // scale periods per chunk
+  // Chunks in flight per warp (twice that with the next iteration's), as many as ~96 registers hold next to the
+  // sums (128 a thread: 2 CTAs an SM; a gate/up kernel of one CTA an SM with 255 registers and twice the chunks
+  // ran 1.4x slower on the H200): a chunk's buffers are 4 weight words and 2 scales (and 2 mins) a period.
+  constexpr int kU = in_flight((96 - 8 * G * NT) / (2 * G * (4 + 2 * kP * (kAffine ? 2 : 1))));
+  constexpr int kAcc = G * NT * 4;
+  extern __shared__ uint4 staged[];
+  __shared__ float red[4 * kAcc * 32];
+  __shared__ float fin[G][16][kRows + 1];
+  __shared__ float rstd[kRows];
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * kRows;
+  const int tile = blockIdx.y;
+  const int tiles_out = p.n_out / 16;
+  const int chunks = p.k / kCh;
+  const int groups = p.k / p.group;
+  const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(p.x);
+  const uint4* wp[G];
+  const float* sp[G];
+  const float* mp[G];
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    const int64_t ti = tile + h * tiles_out;  // a fused gate/up weight: the up tiles follow the gate tiles
+    wp[h] = static_cast<const uint4*>(p.w) + ti * chunks * 32 + lane;
+    sp[h] = p.s + ti * groups * 16;
+    mp[h] = kAffine ? p.mn + ti * groups * 16 : nullptr;
+  }
+
+  // A chunk's weights and the scales (and mins) of its groups for rows g and g + 8, loaded an iteration ahead:
+  // a scale read when its sums are ready waited a round trip to L2 per chunk.
+  uint4 cur[kU][G], nxt[kU][G];
+  float cs[kU][G][kP][2], ns[kU][G][kP][2], cm[kU][G][kP][2], nm[kU][G][kP][2];
+  auto load = [&](uint4(&dst)[kU][G], float(&ds)[kU][G][kP][2], float(&dm)[kU][G][kP][2], int c0) {
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int c = c0 + u * kWarps;
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        dst[u][h] = c < chunks ? load_stream(wp[h] + c * 32) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int pp = 0; pp < kP; ++pp) {
+          const int q = c < chunks ? (c * kCh + pp * GS * 16) / p.group : 0;
+          ds[u][h][pp][0] = __ldg(sp[h] + q * 16 + g);
+          ds[u][h][pp][1] = __ldg(sp[h] + q * 16 + g + 8);
+          if constexpr (kAffine) {
+            dm[u][h][pp][0] = __ldg(mp[h] + q * 16 + g);
+            dm[u][h][pp][1] = __ldg(mp[h] + q * 16 + g + 8);
+          }
+        }
+      }
+    }
+  };
+  allow_dependents();
+  load(cur, cs, cm, warp);  // the first weights are in flight while x is staged and the norm's sums are read
+  wait_for_inputs();        // x, the norm's sums and the residual come from the kernels before this one
+
+  const int mb = min(p.m - row0, kRows);  // this block's rows
+  const int sk = p.k + 8;                 // staged row stride
+  const __nv_bfloat16* xs_smem = reinterpret_cast<const __nv_bfloat16*>(staged);
+  if constexpr (S) {
+    const int per_row = p.k / 8;
+#pragma unroll 4
+    for (int i = threadIdx.x; i < mb * per_row; i += kThreads) {
+      const int r = i / per_row, k8 = (i - r * per_row) * 8;
+      uint4 v = *reinterpret_cast<const uint4*>(x + (row0 + r) * p.stride_x + k8);
+      if (p.nw != nullptr) v = times_norm(v, static_cast<const __nv_bfloat16*>(p.nw), k8);
+      *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(staged) + r * sk + k8) = v;
+    }
+  }
+  if (p.nw != nullptr) {  // each row's 1 / rms from the partial sums of squares: one warp a row, a fixed order
+    for (int r = warp; r < kRows; r += kWarps) {
+      float s = 0.f;
+      if (row0 + r < p.m)
+#pragma unroll 4
+        for (int i = lane; i < p.p_in; i += 32) s += p.ss[(row0 + r) * p.stride_ss + i];
+#pragma unroll
+      for (int o = 16; o >= 1; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
+      if (lane == 0) rstd[r] = rsqrtf(s / p.k + p.eps);
+    }
+  }
+  const __nv_bfloat16* nw = S ? nullptr : static_cast<const __nv_bfloat16*>(p.nw);  // staged: applied already
+  if constexpr (S) __syncthreads();
+
+  float acc[G][NT][4] = {};
+  for (int c0 = warp; c0 < chunks; c0 += kU * kWarps) {
+    load(nxt, ns, nm, c0 + kU * kWarps);
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int c = c0 + u * kWarps;
+      if (c >= chunks) break;
+      float tmp[G][NT][4] = {};
+      float xs[NT] = {};
+#pragma unroll
+      for (int j = 0; j < kSteps; ++j) {
+        const int k = c * kCh + 16 * j + 4 * t;
+        uint32_t b[NT][2];
+        uint2 nv = make_uint2(0, 0);
+        if (nw != nullptr) nv = *reinterpret_cast<const uint2*>(nw + k);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const int row = nt * 8 + g;
+          uint2 v = make_uint2(0, 0);
+          if (row < mb)
+            v = S ? *reinterpret_cast<const uint2*>(xs_smem + row * sk + k)
+                  : *reinterpret_cast<const uint2*>(x + (row0 + row) * p.stride_x + k);
+          if (nw != nullptr) {  // the norm's weight, one rounding, as the eager x * w
+            v.x = pack_bf16(lo_f(v.x) * lo_f(nv.x), hi_f(v.x) * hi_f(nv.x));
+            v.y = pack_bf16(lo_f(v.y) * lo_f(nv.y), hi_f(v.y) * hi_f(nv.y));
+          }
+          b[nt][0] = v.x;
+          b[nt][1] = v.y;
+          if constexpr (kAffine) xs[nt] += (lo_f(v.x) + hi_f(v.x)) + (lo_f(v.y) + hi_f(v.y));
+        }
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+          uint32_t a[4];
+          dequant_step<L>(cur[u][h], j, a);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) mma_bf16(tmp[h][nt], a, b[nt][0], b[nt][1]);
+        }
+        if ((j + 1) % GS == 0) {  // the group's scale (and min) on its sums
+          float xc0[NT], xc1[NT];
+          if constexpr (kAffine) {  // x's sum over the group's values, for the columns this thread holds
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              float s = xs[nt];
+              s += __shfl_xor_sync(0xffffffffu, s, 1);
+              s += __shfl_xor_sync(0xffffffffu, s, 2);
+              xc0[nt] = __shfl_sync(0xffffffffu, s, 8 * t);
+              xc1[nt] = __shfl_sync(0xffffffffu, s, 8 * t + 4);
+              xs[nt] = 0.f;
+            }
+          }
+#pragma unroll
+          for (int h = 0; h < G; ++h) {
+            const int period = (j + 1) / GS - 1;
+            const float s0 = cs[u][h][period][0], s1 = cs[u][h][period][1];
+            float m0 = 0.f, m1 = 0.f;
+            if constexpr (kAffine) {
+              m0 = cm[u][h][period][0];
+              m1 = cm[u][h][period][1];
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              float* d = acc[h][nt];
+              float* e = tmp[h][nt];
+              d[0] = fmaf(s0, e[0], d[0]);
+              d[1] = fmaf(s0, e[1], d[1]);
+              d[2] = fmaf(s1, e[2], d[2]);
+              d[3] = fmaf(s1, e[3], d[3]);
+              if constexpr (kAffine) {
+                d[0] = fmaf(m0, xc0[nt], d[0]);
+                d[1] = fmaf(m0, xc1[nt], d[1]);
+                d[2] = fmaf(m1, xc0[nt], d[2]);
+                d[3] = fmaf(m1, xc1[nt], d[3]);
+              }
+              e[0] = e[1] = e[2] = e[3] = 0.f;
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        cur[u][h] = nxt[u][h];
+#pragma unroll
+        for (int pp = 0; pp < kP; ++pp) {
+          cs[u][h][pp][0] = ns[u][h][pp][0];
+          cs[u][h][pp][1] = ns[u][h][pp][1];
+          cm[u][h][pp][0] = nm[u][h][pp][0];
+          cm[u][h][pp][1] = nm[u][h][pp][1];
+        }
+      }
+  }
+
+  float* flat = &acc[0][0][0];
+  reduce_warps<kAcc>(reinterpret_cast<float(&)[kAcc]>(*flat), red, warp, lane);
+  if (warp == 0) {
+#pragma unroll
+    for (int h = 0; h < G; ++h)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) fin[h][g + 8 * (e >> 1)][nt * 8 + 2 * t + (e & 1)] = acc[h][nt][e];
+  }
+  __syncthreads();
+
+  // Epilogue: one thread a row, its 16 outputs in order (the sum of squares' order is fixed).
+  const int r = threadIdx.x;
+  if (r >= kRows || row0 + r >= p.m) return;
+  const int64_t row = row0 + r;
+  const float scale = p.nw != nullptr ? rstd[r] : 1.f;
+  const __nv_bfloat16* res = static_cast<const __nv_bfloat16*>(p.res);
+  uint32_t outw[8];
+  float ssum = 0.f;
+#pragma unroll
+  for (int f = 0; f < 16; f += 2) {
+    float y[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float v = round_bf16(fin[0][f + i][r] * scale);
+      if constexpr (G == 2) {  // silu(gate) * up, each rounded to bf16 as the eager ops are
+        const float up = round_bf16(fin[1][f + i][r] * scale);
+        v = round_bf16(round_bf16(v / (1.f + __expf(-v))) * up);
+      }
+      if (res != nullptr) v = round_bf16(__bfloat162float(res[row * p.stride_r + tile * 16 + f + i]) + v);
+      y[i] = v;
+      ssum += v * v;
+    }
+    outw[f / 2] = pack_bf16(y[0], y[1]);
+  }
+  uint4* o = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.out) + row * p.stride_o + tile * 16);
+  o[0] = make_uint4(outw[0], outw[1], outw[2], outw[3]);
+  o[1] = make_uint4(outw[4], outw[5], outw[6], outw[7]);
+  p.ss_out[row * tiles_out + tile] = ssum;
+}
+
+// Four floats as e4m3 bytes (RN, saturating to +-448 as the reference's clamp), the first in the low byte.
+__device__ __forceinline__ uint32_t to_e4m3x4(float x0, float x1, float x2, float x3) {
+  uint32_t d = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1; cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3; "
+      "mov.b32 %0, {lo, hi}; }" : "=r"(d) : "f"(x0), "f"(x1), "f"(x2), "f"(x3));
+#endif
+  return d;
+}
+
+__device__ __forceinline__ float half_f(uint16_t v, bool bf16) {
+  return bf16 ? __uint_as_float(static_cast<uint32_t>(v) << 16) : __half2float(__ushort_as_half(v));
+}
+
+// FP8: one CTA per 16 output features and up to 8 rows (NT n-tiles of 8), 8 warps over 64-value chunks. Each row of x is quantized as models/packed.py's
+// quantize_rows does on CUDA (scale = max |x| * fl(1 / 448), e4m3(x / scale)): the CTA finds the rows' maxima together, then
+// stages the e4m3 rows in shared memory (S) or, for rows too wide for it, quantizes them again as it reads them.
+// A thread's 16 bytes of weight row g (and g + 8) at values 16 t.. of a chunk are its A fragments for two k32
+// steps, x's row g the same values its B fragments: the reduction index permuted alike in A and B (as above),
+// with the weight as stored (row-major, which cuBLAS's FP8 GEMM reads for more rows).
+template <int NT, bool S>
+__global__ void __launch_bounds__(kThreads) fp8_linear_kernel(Fp8LinearParams p) {
+  constexpr int kAcc = NT * 4;
+  constexpr int kU = 4;
+  constexpr int kRows = 8 * NT;
+  __shared__ float red[4 * kAcc * 32];
+  __shared__ float fin[16][kRows + 1];
+  __shared__ float wmax[kWarps][kRows];
+  __shared__ float xscale[kRows];
+  extern __shared__ uint4 staged[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int f0 = blockIdx.y * 16;
+  const int chunks = p.k / 64;
+  const int sk = p.k + 16;  // staged row stride (bytes)
+  const uint8_t* w = static_cast<const uint8_t*>(p.w);
+  const uint16_t* x = static_cast<const uint16_t*>(p.x);
+  const uint8_t* w_lo = w + static_cast<int64_t>(f0 + g) * p.k + 16 * t;
+  const uint8_t* w_hi = w_lo + 8 * static_cast<int64_t>(p.k);
+  uint4 lo[kU], hi[kU];
+  auto load = [&](int c0) {
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int c = c0 + u * kWarps;
+      lo[u] = c < chunks ? load_stream(w_lo + c * 64) : make_uint4(0, 0, 0, 0);
+      hi[u] = c < chunks ? load_stream(w_hi + c * 64) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  allow_dependents();
+  load(warp);  // in flight while the rows' scales are found
+  wait_for_inputs();
+  for (int r = 0; r < kRows; ++r) {  // every thread 8 values at a time; max is exact in any order
+    float a = 0.f;
+    if (r < p.m)
+#pragma unroll 2
+      for (int i = threadIdx.x * 8; i < p.k; i += kThreads * 8) {
+        const uint4 v = *reinterpret_cast<const uint4*>(x + r * p.stride_x + i);
+        const uint16_t* h = reinterpret_cast<const uint16_t*>(&v);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) a = fmaxf(a, fabsf(half_f(h[e], p.bf16)));
+      }
+#pragma unroll
+    for (int o = 16; o >= 1; o /= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+    if (lane == 0) wmax[warp][r] = a;
+  }
+  __syncthreads();
+  if (threadIdx.x < kRows) {
+    float a = 0.f;
+#pragma unroll
+    for (int i = 0; i < kWarps; ++i) a = fmaxf(a, wmax[i][threadIdx.x]);
+    // times the float reciprocal of 448, not / 448: torch divides a CUDA tensor by a Python number so (one ulp
+    // apart at times, and then some values round to the other e4m3 neighbour)
+    xscale[threadIdx.x] = fmaxf(a, 1e-12f) * (1.f / 448.f);
+  }
+  __syncthreads();
+  // 16 values of row `row` from k on as e4m3 bytes (4 words)
+  auto quantize16 = [&](int row, int k, uint32_t(&b)[4]) {
+    const uint4* src = reinterpret_cast<const uint4*>(x + row * p.stride_x + k);
+    const uint4 v0 = src[0], v1 = src[1];
+    const uint16_t* h0 = reinterpret_cast<const uint16_t*>(&v0);
+    const uint16_t* h1 = reinterpret_cast<const uint16_t*>(&v1);
+    const float s = xscale[row];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      b[i] = to_e4m3x4(half_f(h0[4 * i], p.bf16) / s, half_f(h0[4 * i + 1], p.bf16) / s,
+                       half_f(h0[4 * i + 2], p.bf16) / s, half_f(h0[4 * i + 3], p.bf16) / s);
+      b[2 + i] = to_e4m3x4(half_f(h1[4 * i], p.bf16) / s, half_f(h1[4 * i + 1], p.bf16) / s,
+                           half_f(h1[4 * i + 2], p.bf16) / s, half_f(h1[4 * i + 3], p.bf16) / s);
+    }
+  };
+  uint8_t* xq = reinterpret_cast<uint8_t*>(staged);
+  if constexpr (S) {
+    const int per_row = p.k / 16;
+    for (int i = threadIdx.x; i < p.m * per_row; i += kThreads) {
+      const int r = i / per_row, k16 = (i - r * per_row) * 16;
+      uint32_t b[4];
+      quantize16(r, k16, b);
+      *reinterpret_cast<uint4*>(xq + r * sk + k16) = make_uint4(b[0], b[1], b[2], b[3]);
+    }
+    __syncthreads();
+  }
+  float acc[NT][4] = {};
+  for (int c0 = warp; c0 < chunks; c0 += kU * kWarps) {
+    if (c0 != warp) load(c0);
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int c = c0 + u * kWarps;
+      if (c >= chunks) break;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int row = nt * 8 + g;
+        uint32_t b[4] = {0, 0, 0, 0};
+        if (row < p.m) {
+          if constexpr (S) {
+            const uint4 v = *reinterpret_cast<const uint4*>(xq + row * sk + c * 64 + 16 * t);
+            b[0] = v.x; b[1] = v.y; b[2] = v.z; b[3] = v.w;
+          } else {
+            quantize16(row, c * 64 + 16 * t, b);
+          }
+        }
+        mma_fp8(acc[nt], lo[u].x, hi[u].x, lo[u].y, hi[u].y, b[0], b[1]);
+        mma_fp8(acc[nt], lo[u].z, hi[u].z, lo[u].w, hi[u].w, b[2], b[3]);
+      }
+    }
+  }
+  float* flat = &acc[0][0];
+  reduce_warps<kAcc>(reinterpret_cast<float(&)[kAcc]>(*flat), red, warp, lane);
+  if (warp == 0) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) fin[g + 8 * (e >> 1)][nt * 8 + 2 * t + (e & 1)] = acc[nt][e];
+  }
+  __syncthreads();
+  const int r = threadIdx.x;
+  if (r >= p.m) return;
+  const float xs = xscale[r];
+  uint32_t outw[8];
+#pragma unroll
+  for (int f = 0; f < 16; f += 2) {
+    const float y0 = fin[f][r] * (xs * p.ws[f0 + f]), y1 = fin[f + 1][r] * (xs * p.ws[f0 + f + 1]);
+    if (p.bf16) {
+      outw[f / 2] = pack_bf16(y0, y1);
+    } else {
+      __half2 hv = __floats2half2_rn(y0, y1);
+      outw[f / 2] = *reinterpret_cast<uint32_t*>(&hv);
+    }
+  }
+  uint4* o = reinterpret_cast<uint4*>(static_cast<uint16_t*>(p.out) + r * p.stride_o + f0);
+  o[0] = make_uint4(outw[0], outw[1], outw[2], outw[3]);
+  o[1] = make_uint4(outw[4], outw[5], outw[6], outw[7]);
+}
+
+// One thread per 16-byte word of the tile order: its values dequantized in fp32 (s * q, + m), one rounding.
+template <int L>
+__global__ void unpack_kernel(UnpackParams p) {
+  constexpr int kCh = L == kQ8sMma ? 32 : 64;
+  const int chunks = p.k / kCh, groups = p.k / p.group;
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= static_cast<int64_t>(p.n / 16) * chunks * 32) return;
+  const int lane = i % 32, c = (i / 32) % chunks;
+  const int64_t tile = i / (32 * chunks);
+  const int g = lane >> 2, t = lane & 3;
+  const uint4 w = static_cast<const uint4*>(p.w)[i];
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int j = 0; j < kCh / 16; ++j) {
+    const int k = c * kCh + 16 * j + 4 * t;
+    const int q = k / p.group;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // rows g and g + 8
+      const int64_t n = tile * 16 + g + 8 * h;
+      const float s = p.s[(tile * groups + q) * 16 + g + 8 * h];
+      const float m = L == kQ4aMma ? p.mn[(tile * groups + q) * 16 + g + 8 * h] : 0.f;
+      float v[4];
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int pp = 0; pp < 2; ++pp) {
+          float qv;
+          if constexpr (L == kQ8sMma) {
+            qv = static_cast<float>(static_cast<int8_t>((words[2 * j + h] >> (8 * (2 * e + pp))) & 0xff));
+          } else {
+            const int r = h + 2 * pp;
+            qv = static_cast<float>((words[j] >> (4 * r + 16 * e)) & 0xf) - (L == kQ4zMma ? 8.f : 0.f);
+          }
+          const float sq = __fmul_rn(s, qv);  // two roundings, as torch's s * q + m (no contraction)
+          v[2 * pp + e] = L == kQ4aMma ? __fadd_rn(sq, m) : sq;
+        }
+      uint2 outv;
+      if (p.bf16) {
+        outv = make_uint2(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]));
+      } else {
+        __half2 a = __floats2half2_rn(v[0], v[1]), b = __floats2half2_rn(v[2], v[3]);
+        outv = make_uint2(*reinterpret_cast<uint32_t*>(&a), *reinterpret_cast<uint32_t*>(&b));
+      }
+      *reinterpret_cast<uint2*>(static_cast<uint16_t*>(p.out) + n * p.k + k) = outv;
+    }
+  }
+}
+
+// Launch with programmatic stream serialization allowed (sm_90+: see allow_dependents), else plainly.
+template <typename Kernel, typename Params>
+void launch_overlapped(Kernel kernel, dim3 grid, size_t smem, cudaStream_t stream, const Params& p) {
+  if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kStageBytes);
+  int device = 0, major = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = major >= 9 ? 1 : 0;
+  cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
+template <int L, int NT, int GS, int G, bool S>
+void launch_kernel(const PackedLinearParams& p, size_t smem, cudaStream_t stream) {
+  launch_overlapped(packed_linear_kernel<L, NT, GS, G, S>, dim3((p.m + 8 * NT - 1) / (8 * NT), p.n_out / 16), smem,
+                    stream, p);
+}
+
+template <int L, int NT, int GS>
+int launch_rows(const PackedLinearParams& p, cudaStream_t stream) {
+  const size_t smem = static_cast<size_t>(p.m < 8 * NT ? p.m : 8 * NT) * (p.k + 8) * 2;
+  const bool staged = smem <= kStageBytes;
+  if (p.glu) {
+    if (staged) launch_kernel<L, NT, GS, 2, true>(p, smem, stream); else launch_kernel<L, NT, GS, 2, false>(p, 0, stream);
+  } else {
+    if (staged) launch_kernel<L, NT, GS, 1, true>(p, smem, stream); else launch_kernel<L, NT, GS, 1, false>(p, 0, stream);
+  }
+  return 0;
+}
+
+template <int L, int GS>
+int launch_layout(const PackedLinearParams& p, cudaStream_t stream) {
+  // Rows per CTA: 8 for one n-tile, up to 32 (more rows: more blocks of 32, their weight tiles shared in L2).
+  if (p.m <= 8) return launch_rows<L, 1, GS>(p, stream);
+  if (p.m <= 16) return launch_rows<L, 2, GS>(p, stream);
+  return launch_rows<L, 4, GS>(p, stream);
+}
+
+}  // namespace
+
+bool packed_linear_supported(int layout, int group, int n, int k) {
+  const int ch = layout == kQ8sMma ? 32 : 64;
+  const bool groups = group == 32 || group == 64 || group == 128;
+  return (layout == kQ4zMma || layout == kQ4aMma || layout == kQ8sMma) && groups && n > 0 && n % 16 == 0 &&
+         k > 0 && k % ch == 0 && k % group == 0;
+}
+
+bool fp8_linear_supported(int n, int k) { return n > 0 && n % 16 == 0 && k > 0 && k % 64 == 0; }
+
+int packed_linear_launch(const PackedLinearParams& p, cudaStream_t stream) {
+  if (!packed_linear_supported(p.layout, p.group, p.glu ? 2 * p.n_out : p.n_out, p.k) || p.n_out % 16 != 0)
+    return -1;
+  if (p.m == 0) return 0;
+  switch (p.layout) {
+    case kQ4zMma:
+      if (p.group == 32) launch_layout<kQ4zMma, 2>(p, stream); else launch_layout<kQ4zMma, 4>(p, stream);
+      break;
+    case kQ4aMma:
+      if (p.group == 32) launch_layout<kQ4aMma, 2>(p, stream); else launch_layout<kQ4aMma, 4>(p, stream);
+      break;
+    default:
+      launch_layout<kQ8sMma, 2>(p, stream);
+  }
+  return static_cast<int>(cudaGetLastError());
+}
+
+int fp8_linear_launch(const Fp8LinearParams& p, cudaStream_t stream) {
+  if (!fp8_linear_supported(p.n, p.k) || p.m > kFp8MaxRows) return -1;
+  if (p.m == 0) return 0;
+  const dim3 grid(1, p.n / 16);
+  const size_t smem = static_cast<size_t>(p.m) * (p.k + 16);
+  const bool staged = smem <= kStageBytes;
+  if (staged)
+    launch_overlapped(fp8_linear_kernel<1, true>, grid, smem, stream, p);
+  else
+    launch_overlapped(fp8_linear_kernel<1, false>, grid, 0, stream, p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int unpack_launch(const UnpackParams& p, cudaStream_t stream) {
+  if (!packed_linear_supported(p.layout, p.group, p.n, p.k)) return -1;
+  const int ch = p.layout == kQ8sMma ? 32 : 64;
+  const int64_t words = static_cast<int64_t>(p.n / 16) * (p.k / ch) * 32;
+  const int threads = 256;
+  const unsigned blocks = static_cast<unsigned>((words + threads - 1) / threads);
+  switch (p.layout) {
+    case kQ4zMma: unpack_kernel<kQ4zMma><<<blocks, threads, 0, stream>>>(p); break;
+    case kQ4aMma: unpack_kernel<kQ4aMma><<<blocks, threads, 0, stream>>>(p); break;
+    default: unpack_kernel<kQ8sMma><<<blocks, threads, 0, stream>>>(p);
+  }
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace onecopy_native

@@ -1,0 +1,79 @@
+// The launch interface of packed_linear.cu (no torch headers, so that nvcc compiles it alone and quickly).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace onecopy_native {
+
+// Weight layouts the kernels read, as kernels/native/__init__.py numbers them: the tile-ordered ("_mma")
+// forms of layouts.LAYOUTS' q4z, q4a, q8s (models/mma_order.py writes them), and f8r as stored.
+enum PackedLayout : int { kQ4zMma = 1, kQ4aMma = 2, kQ8sMma = 3 };
+
+// y = x @ W^T for a decode step's rows, W a tile-ordered packed weight, with the folds of kernels/linear.py:
+// an RMSNorm of x before (its weight `nw`, and the partial sums of squares `ss` [M, p_in] of x's rows),
+// SwiGLU of a fused gate/up weight after (`glu`: W has 2 n_out rows, the up rows after the gate rows), or a
+// residual add (`res` [M, n_out]). Writes out [M, n_out] and ss_out [M, n_out / 16] (each row's sum of
+// squares over each 16 outputs, for the next norm). x, nw, res, out: bfloat16; strides in elements.
+struct PackedLinearParams {
+  const void* x;
+  int64_t stride_x;
+  const void* w;
+  const float* s;
+  const float* mn;
+  const void* nw;
+  const float* ss;
+  int64_t stride_ss;
+  int p_in;
+  float eps;
+  const void* res;
+  int64_t stride_r;
+  void* out;
+  int64_t stride_o;
+  float* ss_out;
+  int m, n_out, k, group, layout;
+  bool glu;
+};
+
+// y = x @ W^T with x's rows quantized to e4m3 (a float32 scale each, max |x| / 448) and an e4m3 weight [N, K]
+// as stored (row-major) with one float32 scale per output feature; x [M, K] and out [M, N] in bf16 (or fp16
+// with `bf16` false), strides in elements. M <= kFp8MaxRows.
+struct Fp8LinearParams {
+  const void* x;
+  int64_t stride_x;
+  const void* w;
+  const float* ws;
+  void* out;
+  int64_t stride_o;
+  int m, n, k;
+  bool bf16;
+};
+
+// A tile-ordered packed weight [N, K] dequantized to `out` (row-major, bf16 or fp16): s * q (+ m) in fp32,
+// one rounding, as models/packed.py's dequantize.
+struct UnpackParams {
+  const void* w;
+  const float* s;
+  const float* mn;
+  void* out;
+  int n, k, group, layout;
+  bool bf16;
+};
+
+// Rows the packed-projection op runs the kernel for (more: the weight unpacked for cuBLAS, ops.cpp), except in
+// the batch-invariant decode. H200, 8B projections (benchmarks/results/native_linear_h200.json): the kernel is
+// ahead up to 16 rows and 1.3-2x behind bf16 cuBLAS at 64, where unpacking costs a write and a read of bf16.
+constexpr int kKernelMaxRows = 32;
+// Rows the FP8 kernel takes (8: one n-tile; past that cuBLAS's FP8 GEMM measured as fast or faster).
+constexpr int kFp8MaxRows = 8;
+
+// Whether the kernels take this weight: layout, group, shape (N a multiple of 16, K of the layout's chunk).
+bool packed_linear_supported(int layout, int group, int n, int k);
+bool fp8_linear_supported(int n, int k);
+// 0, or the CUDA error of the launch (-1: an unsupported shape or layout).
+int packed_linear_launch(const PackedLinearParams& p, cudaStream_t stream);
+int fp8_linear_launch(const Fp8LinearParams& p, cudaStream_t stream);
+int unpack_launch(const UnpackParams& p, cudaStream_t stream);
+
+}  // namespace onecopy_native

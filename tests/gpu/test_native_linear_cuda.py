@@ -1,0 +1,184 @@
+"""The native packed-projection kernels (kernels/native/packed_linear.cu) on CUDA: int4 / int8 weights in the
+tile order the export writes, FP8 weights for few rows, and bundles that use them (run on a GPU machine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import onecopy
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _weights(n: int, k: int) -> dict:
+    """Tile-ordered weights of every layout and group the kernel takes, with their stored-order twins."""
+    from onecopy.models.packed import Packed, tile_ordered
+    from onecopy.models.quantize import quantize_weight
+
+    w = torch.randn(n, k) / k ** 0.5
+    out = {}
+    for mode, g in (("int8", 128), ("int8", 32), ("int4", 128), ("int4", 32), ("int4", 64)):
+        if k % g:
+            continue
+        p = quantize_weight(w, mode, g)
+        out[f"{p.layout} g{g}"] = p
+        if mode == "int4" and g != 64:  # q4z (GGUF Q4_0's layout): s * (q - 8)
+            out[f"q4z g{g}"] = Packed("q4z", g, p.qweight, p.scales * 1.5)
+    return {name: (tile_ordered(p).rebuild(tuple(t.cuda() for t in tile_ordered(p).tensors())),
+                   p.rebuild(tuple(t.cuda() for t in p.tensors()))) for name, p in out.items()}
+
+
+def _reference(x, exact, glu, residual, norm):
+    xd = x.double()
+    if norm is not None:
+        g, _, eps = norm
+        xd = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * g.double()
+    ref = xd @ exact.double().t()
+    if glu:
+        gate, up = ref.chunk(2, dim=-1)
+        ref = F.silu(gate) * up
+    return ref if residual is None else ref + residual.double()
+
+
+def _eager(x, exact, glu, residual, norm):
+    """The eager bf16 model's ops on the same weight: RMSNorm (x * rstd, then the weight), F.linear, SwiGLU."""
+    if norm is not None:
+        g, parts, eps = norm
+        x = (x.float() * torch.rsqrt(parts.sum(1, keepdim=True) / x.shape[1] + eps)).to(x.dtype) * g
+    y = F.linear(x, exact.to(x.dtype))
+    if glu:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y if residual is None else residual + y
+
+
+def test_native_packed_linear_matches_float64_and_is_batch_invariant():
+    """Every tile-ordered layout and group, 1 to 64 rows, with the folds (norm, SwiGLU, residual): the native
+    op (its kernel up to 32 rows, the unpacked weight and cuBLAS past that) against float64 of the float32
+    dequantization, no looser than the Triton packed kernel on the same weight in its stored order; its sums
+    of squares per 16 outputs are the rows' own; with ``invariant`` (the kernel at any batch size) a row's
+    bits never depend on the rows beside it."""
+    from onecopy import kernels
+    from onecopy.kernels import native
+    from onecopy.layouts import MMA_LAYOUT_IDS
+    from onecopy.models.packed import LAYOUT_IDS, dequantize, kernel_linear
+    from onecopy.models.projections import sum_of_squares
+
+    torch.manual_seed(0)
+    for n, k, glu, res, norm in [(4096, 4096, False, True, True), (2 * 1024, 4096, True, False, True),
+                                 (1024, 576, False, False, False), (512, 14336, False, True, False)]:
+        for name, (p, plain) in _weights(n, k).items():
+            exact = dequantize(plain)
+            n_out = n // 2 if glu else n
+            tiles = kernels.packed_linear_tiles(n_out, glu, LAYOUT_IDS[plain.layout])
+            pk = (plain.scales, plain.mins, LAYOUT_IDS[plain.layout], plain.group)
+            for m in (1, 5, 16, 40, 64):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                r = torch.randn(m, n_out, device="cuda", dtype=torch.bfloat16) if res else None
+                g = 1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16)
+                parts = torch.stack([sum_of_squares(c)[:, 0] for c in x.chunk(3, dim=1)], dim=1) if norm else None
+                nrm = (g, parts, 1e-5) if norm else None
+                out, ss = kernel_linear(x, p, residual=r, glu=glu, norm=nrm)
+                triton = kernels.launch_linear(x, plain.qweight, r, glu, tiles, nrm, 16, pk)[0].double()
+                ref = _reference(x, exact, glu, r, nrm)
+                err, err_triton = float((out.double() - ref).abs().max()), float((triton - ref).abs().max())
+                scale = float(ref.abs().max())
+                assert out.shape == (m, n_out) and out.dtype == torch.bfloat16 and ss.shape == (m, n_out // 16)
+                # past the kernel's rows the op rounds as the eager bf16 model does: no looser than that model
+                err_eager = float((_eager(x, exact, glu, r, nrm).double() - ref).abs().max()) \
+                    if m > native.KERNEL_MAX_ROWS else 0.0
+                assert err <= max(1.5 * err_triton, 1.5 * err_eager, 8e-3 * scale), (name, n, k, m, err, err_triton,
+                                                                                     err_eager, scale)  # ~1 bf16 ulp
+                want_ss = out.float().reshape(m, n_out // 16, 16).pow(2).sum(-1)
+                torch.testing.assert_close(ss, want_ss, rtol=1e-5, atol=1e-5)
+            x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+            op = (p.qweight, p.scales, p.mins, MMA_LAYOUT_IDS[p.layout], p.group)
+            whole = native.packed_linear(x, *op, glu=glu, invariant=True)  # the kernel at 64 rows too
+            for lo, hi in ((37, 38), (0, 8), (30, 46), (5, 38)):
+                part = native.packed_linear(x[lo:hi], *op, glu=glu, invariant=True)
+                assert torch.equal(whole[0][lo:hi], part[0]) and torch.equal(whole[1][lo:hi], part[1]), (name, lo, hi)
+                if hi - lo <= native.KERNEL_MAX_ROWS:  # the default op runs the kernel there
+                    assert torch.equal(native.packed_linear(x[lo:hi], *op, glu=glu)[0], part[0]), (name, lo, hi)
+
+
+def test_native_unpack_equals_the_torch_dequantization():
+    """The prefill's float copy of a tile-ordered weight (`kernels.native.unpack`) bit for bit
+    `models.packed.dequantize` (s * q, + m: two roundings in fp32, then one to the dtype)."""
+    from onecopy.kernels import native
+    from onecopy.layouts import MMA_LAYOUT_IDS
+    from onecopy.models.packed import dequantize
+
+    torch.manual_seed(0)
+    for name, (p, plain) in _weights(1024, 576).items():
+        for dtype in (torch.bfloat16, torch.float16):
+            got = native.unpack(p.qweight, p.scales, p.mins, MMA_LAYOUT_IDS[p.layout], p.group, dtype)
+            assert torch.equal(got, dequantize(plain, dtype)), (name, dtype)
+            assert torch.equal(got, dequantize(p, dtype)), (name, dtype)  # the traceable read of the tile order
+
+
+def test_native_fp8_linear_matches_the_scaled_mm_reference():
+    """FP8 weights: the GEMV kernel (up to 8 rows; each row quantized to e4m3 as it is read) against float64
+    of the same quantized operands; its rows' bits independent of the batch; past 8 rows the op runs
+    `quantize_rows` + ``_scaled_mm`` bit for bit as the torch path does."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores: sm_89+")
+    from onecopy.kernels import native
+    from onecopy.models.packed import quantize_rows
+    from onecopy.models.quantize import quantize_weight
+
+    torch.manual_seed(0)
+    for n, k in ((4096, 4096), (1024, 576), (6144, 14336)):
+        w = quantize_weight(torch.randn(n, k) / k ** 0.5, "fp8", k)
+        qw, sw = w.qweight.cuda(), w.scales.cuda()
+        for m in (1, 3, 5, 8):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
+            got = native.fp8_linear(x, qw, sw)
+            q, s = quantize_rows(x)
+            ref = (q.double() * s.double()) @ (qw.double() * sw.double()).t()
+            err, scale = float((got.double() - ref).abs().max()), float(ref.abs().max())
+            if err > 8e-3 * scale:  # what a failure needs to be read: the rows, each row alone, cuBLAS's FP8 GEMM
+                rows = (got.double() - ref).abs().amax(1).tolist()
+                alone = [float((native.fp8_linear(x[i:i + 1], qw, sw).double() - ref[i:i + 1]).abs().max()) for i in range(m)]
+                cublas = torch._scaled_mm(q, qw.t(), scale_a=s, scale_b=sw.reshape(1, -1), out_dtype=x.dtype).double()
+                raise AssertionError((n, k, m, err, scale, rows, alone, float((cublas - ref).abs().max())))
+            assert got.dtype == torch.bfloat16
+        x = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
+        whole = native.fp8_linear(x, qw, sw)
+        for lo, hi in ((3, 4), (0, 5), (2, 8)):
+            assert torch.equal(whole[lo:hi], native.fp8_linear(x[lo:hi], qw, sw)), (n, k, lo, hi)
+        x = torch.randn(9, k, device="cuda", dtype=torch.bfloat16)
+        q, s = quantize_rows(x)
+        want = torch._scaled_mm(q, qw.t(), scale_a=s, scale_b=sw.reshape(1, -1), out_dtype=x.dtype)
+        assert torch.equal(native.fp8_linear(x, qw, sw), want)
+
+
+@pytest.fixture(scope="module")
+def int4_native(tmp_path_factory):
+    return onecopy.export("tiny-llama", tmp_path_factory.mktemp("b") / "int4", max_seq_len=128, device="cuda",
+                          quantize="int4", group_size=32, progress=False)
+
+
+def test_int4_bundle_holds_the_tile_order_and_decodes_batch_invariantly(int4_native):
+    """A CUDA export writes its int4 projections in the native kernel's tile order (the manifest says q4a_mma
+    and lists the native library), binds each packed tensor once for both methods, and its deterministic
+    engine gives a session the same tokens batched as alone."""
+    from onecopy.kernels import native
+
+    prompt = [5, 77, 300, 12, 9, 401, 3]
+    params = onecopy.SamplingParams(max_new_tokens=24)
+    with onecopy.Engine.load(int4_native, "cuda", max_sessions=4, deterministic=True) as e:
+        layouts = {p["layout"] for p in e.manifest.packed.values()}
+        assert layouts == {"q4a_mma"}, layouts
+        assert all(native.LIBRARY in m.native_ops for m in e.manifest.methods.values())
+        q = "layers.0.feed_forward.w13.qweight"
+        assert e.method("prefill").bound[q] == e.method(e.role_method("decode")).bound[q] == e.weights.get(q).data_ptr()
+        alone = list(e.open_session().generate_ids(prompt, params, stop_ids=[]))
+        streams = [e.submit(prompt if i == 0 else [i + 1, 2, 3], params, stop_ids=[]) for i in range(4)]
+        assert [s.result(timeout=120) for s in streams][0] == alone
+    with onecopy.Engine.load(int4_native, "cuda", max_sessions=4, cuda_graphs=False) as e:
+        eager = list(e.open_session().generate_ids(prompt, params, stop_ids=[]))
+    with onecopy.Engine.load(int4_native, "cuda", max_sessions=4, cuda_graphs=True) as e:
+        graph = list(e.open_session().generate_ids(prompt, params, stop_ids=[]))
+    assert graph == eager
