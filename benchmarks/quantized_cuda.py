@@ -1,8 +1,14 @@
-"""Packed weights on CUDA: bf16 vs int8 vs int4 exports of one model, in one run.
+"""Packed weights on CUDA: bf16 vs int8 vs int4 vs fp8 exports of one model, next to their peers, in one run.
 
 Usage (on a CUDA machine, from the repository root):
-    python benchmarks/quantized_cuda.py --source llama3-8b-8l --variants bf16,int8:128,int4:128,int4:32 \
-        --out benchmarks/results/quantized_llama3-8b-8l_h100.json
+    python benchmarks/quantized_cuda.py --source llama3-8b-8l --variants bf16,int8:128,int4:128,int4:128:triton,fp8 \
+        --sessions 16,64 --peers torch.compile,tinygemm --out benchmarks/results/quantized_llama3-8b-8l_h100.json
+
+A variant is mode[:group][:triton]; ``:triton`` exports without the native CUDA kernels (the Triton packed kernel
+in the stored order: what the native kernels replace). Peers (``--peers``), measured as onecopy's batch-1 decode
+step is (a 1k prompt, then one decode step at a time, CUDA-event timed): ``torch.compile`` (gpt-fast's recipe,
+`bench.peers.CompiledPeer`) on the bf16 variant's weights, ``tinygemm`` (the same with torch's int4 GEMM,
+`bench.peers.TinygemmPeer`) on the int4:128 variant's own int4 values.
 
 With ``--export-only`` each variant's bundle is left in ``--work`` (run one process per variant, in
 parallel), and ``--reuse`` benchmarks those bundles. Per variant (loaded alone): device weight bytes; TTFT of a 1k prompt; the
@@ -31,7 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import onecopy  # noqa: E402
-from onecopy.bench.decode import batched_step_ms, copy_bandwidth, decode_step_ms, floor_bytes  # noqa: E402
+from onecopy.bench.decode import batched_step_ms, copy_bandwidth, decode_step_ms, floor_bytes, int4_layers  # noqa: E402
+from onecopy.bench.peers import CompiledPeer, TinygemmPeer  # noqa: E402
+from onecopy.models.packed import as_float_weights  # noqa: E402
 from onecopy.models.llama import LlamaConfig  # noqa: E402
 from onecopy.models.quantize import quantize_model  # noqa: E402
 from onecopy.models.source import resolve_source  # noqa: E402
@@ -64,7 +72,8 @@ def main() -> None:
     ap.add_argument("--variants", default="bf16,int8:128,int4:128,int4:32")
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--max-seq-len", type=int, default=2048)
-    ap.add_argument("--sessions", type=int, default=64)
+    ap.add_argument("--sessions", default="64", help="comma-separated batch sizes of the batched decode step")
+    ap.add_argument("--peers", default="", help="comma-separated: torch.compile (bf16), tinygemm (int4:128)")
     ap.add_argument("--work", default="/tmp/onecopy-quant")
     ap.add_argument("--out", required=True)
     ap.add_argument("--export-only", action="store_true", help="export the variants' bundles into --work and stop")
@@ -77,27 +86,32 @@ def main() -> None:
            "copy_bandwidth_TBps": round(bw / 1e12, 3), "rows": []}
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, src.config.vocab_size - 1, (a.prompt_len,), generator=g).tolist()
+    batches = [int(b) for b in str(a.sessions).split(",")]
+    peers = [p for p in a.peers.split(",") if p]
     for variant in a.variants.split(","):
-        mode, _, group = variant.partition(":")
+        mode, _, rest = variant.partition(":")
+        group, _, kernels = rest.partition(":")
         quant = None if mode == "bf16" else mode
-        bundle = Path(a.work) / variant.replace(":", "-g")
+        bundle = Path(a.work) / variant.replace(":", "-")
         t0 = time.perf_counter()
         if not a.reuse:
             onecopy.export(src, bundle, max_seq_len=a.max_seq_len, device="cuda", overwrite=True, progress=False,
-                           quantize=quant, group_size=int(group or 128))
+                           quantize=quant, group_size=int(group or 128), native_kernels=kernels != "triton")
             (bundle.parent / f"{bundle.name}.export_s").write_text(f"{time.perf_counter() - t0:.1f}")
         if a.export_only:
             continue
         row = {"variant": variant, "export_s": float((bundle.parent / f"{bundle.name}.export_s").read_text())}
         gc.collect()
         torch.cuda.empty_cache()
-        with onecopy.Engine.load(bundle, "cuda", max_sessions=a.sessions, decode_buckets=[1, a.sessions],
+        with onecopy.Engine.load(bundle, "cuda", max_sessions=max(batches), decode_buckets=[1, *batches],
                                  prefill_chunk=a.max_seq_len) as engine:
             weights = engine.weights.as_map(engine.manifest.weights)
             cfg = LlamaConfig.from_dict(engine.manifest.config)
             report = engine.memory_report()
             row.update(weight_bytes=report.unique_weight_bytes, packed_weight_bytes=report.packed_weight_bytes,
-                       packed_as_float_bytes=report.packed_as_float_bytes)
+                       packed_as_float_bytes=report.packed_as_float_bytes,
+                       layouts=sorted({p["layout"] for p in engine.manifest.packed.values()}),
+                       native_ops=sorted({lib for m in engine.manifest.methods.values() for lib in m.native_ops}))
             ttfts = []
             for i in range(3):  # a different first token each time: no prefix-cache hit
                 stream = engine.submit([i + 1] + prompt[1:], onecopy.SamplingParams(max_new_tokens=2), stop_ids=[])
@@ -105,7 +119,7 @@ def main() -> None:
                 ttfts.append(stream.time_to_first_token)
             row["ttft_ms"] = round(1000 * statistics.median(ttfts), 2)
             sessions = []
-            for i in range(a.sessions):
+            for i in range(max(batches)):
                 s = engine.open_session()
                 s.prefill(prompt[:-1] + [i])  # distinct prompts: no shared prefix blocks at the end
                 sessions.append(s)
@@ -113,12 +127,20 @@ def main() -> None:
             w, kv = floor_bytes(weights, cfg, a.prompt_len)
             row.update(decode_ms_b1=round(step1, 4), tok_s_b1=round(1000 / step1, 1),
                        floor_ms_b1=round(1000 * (w + kv) / bw, 4), share_of_floor_b1=round(1000 * (w + kv) / bw / step1, 3))
-            step_s = batched_step_ms(engine, sessions, steps=50, warmup=3)
-            row.update(decode_ms_s=round(step_s, 4), tok_s_s=round(a.sessions * 1000 / step_s, 1),
-                       floor_ms_s=round(1000 * (w + a.sessions * kv) / bw, 4))
+            for b in batches:
+                step_s = batched_step_ms(engine, sessions[:b], steps=50, warmup=3)
+                row[f"S{b}"] = {"decode_ms": round(step_s, 4), "tok_s": round(b * 1000 / step_s, 1),
+                                "floor_ms": round(1000 * (w + b * kv) / bw, 4)}
             for s in sessions:
                 s.close()
-        if quant is not None:
+            if "tinygemm" in peers and variant == "int4:128":
+                res["rows"].append(peer_row("tinygemm int4:128", TinygemmPeer(
+                    as_float_weights(weights, engine.manifest.packed, torch.bfloat16),
+                    int4_layers(weights, engine.manifest.packed), cfg, a.max_seq_len), prompt, w + kv, bw))
+            if "torch.compile" in peers and variant == "bf16":
+                res["rows"].append(peer_row("torch.compile bf16", CompiledPeer(weights, cfg, a.max_seq_len), prompt,
+                                            w + kv, bw))
+        if quant is not None and kernels != "triton":
             row.update(logit_error(src, bundle, quant, int(group or 128), prompt[:256], a.max_seq_len))
         if not a.reuse:
             shutil.rmtree(bundle, ignore_errors=True)
@@ -130,16 +152,50 @@ def main() -> None:
         Path(a.out).write_text(json.dumps(res, indent=1))
     if a.export_only:
         return
-    base = res["rows"][0]
+    base = next(r for r in res["rows"] if r["variant"] == "bf16")
     for r in res["rows"]:
         r["vs_bf16_b1"] = round(r["tok_s_b1"] / base["tok_s_b1"], 3)
-        r["vs_bf16_s"] = round(r["tok_s_s"] / base["tok_s_s"], 3)
-        r["weights_vs_bf16"] = round(r["weight_bytes"] / base["weight_bytes"], 3)
+        for b in batches:
+            if f"S{b}" in r:
+                r[f"S{b}"]["vs_bf16"] = round(r[f"S{b}"]["tok_s"] / base[f"S{b}"]["tok_s"], 3)
+        if "weight_bytes" in r:
+            r["weights_vs_bf16"] = round(r["weight_bytes"] / base["weight_bytes"], 3)
     Path(a.out).write_text(json.dumps(res, indent=1))
-    print(f"{'variant':<10} {'weights GiB':>11} {'TTFT ms':>8} {'b1 tok/s':>9} {'floor%':>7} {'S tok/s':>9} {'vs bf16 b1/S':>13}")
+    print(f"{'variant':<20} {'TTFT ms':>8} {'b1 tok/s':>9} {'floor%':>7} {'vs bf16':>8} " +
+          " ".join(f"{'S' + str(b) + ' tok/s (x bf16)':>22}" for b in batches))
     for r in res["rows"]:
-        print(f"{r['variant']:<10} {r['weight_bytes'] / 2**30:>11.2f} {r['ttft_ms']:>8} {r['tok_s_b1']:>9} "
-              f"{100 * r['share_of_floor_b1']:>6.1f}% {r['tok_s_s']:>9} {r['vs_bf16_b1']:>6}/{r['vs_bf16_s']}")
+        print(f"{r['variant']:<20} {r.get('ttft_ms', '-'):>8} {r['tok_s_b1']:>9} {100 * r['share_of_floor_b1']:>6.1f}% "
+              f"{r['vs_bf16_b1']:>8} " + " ".join(f"{str(r[f'S{b}']['tok_s']) + ' (' + str(r[f'S{b}']['vs_bf16']) + ')':>22}"
+                                               if f"S{b}" in r else f"{'-':>22}" for b in batches))
+
+
+def peer_row(name: str, peer, prompt: list[int], floor_bytes: int, bw: float, steps: int = 50) -> dict:
+    """A peer's batch-1 decode step after a prompt, timed as onecopy's (CUDA events over ``steps`` steps)."""
+    dev = torch.device("cuda")
+    peer.generate(prompt[:16], 4)  # compiles (and captures) both paths
+    with torch.no_grad():
+        logits = peer.prefill_fn(torch.tensor([prompt], device=dev), torch.arange(len(prompt), device=dev))
+        tok = logits.argmax(-1, keepdim=True)
+        pos = torch.tensor([len(prompt)], device=dev)
+        for _ in range(5):
+            tok = peer.decode_fn(tok, pos).argmax(-1, keepdim=True)
+            pos += 1
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            tok = peer.decode_fn(tok, pos).argmax(-1, keepdim=True)
+            pos += 1
+        end.record()
+        torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / steps
+    row = {"variant": name, "decode_ms_b1": round(ms, 4), "tok_s_b1": round(1000 / ms, 1),
+           "share_of_floor_b1": round(1000 * floor_bytes / bw / ms, 3)}
+    print(json.dumps(row), flush=True)
+    del peer
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
 
 
 if __name__ == "__main__":

@@ -178,7 +178,7 @@ def _cmd_bench_throughput(a: argparse.Namespace) -> int:
 def _cmd_bench_decode(a: argparse.Namespace) -> int:
     import torch
 
-    from .bench.decode import bench_decode, print_table
+    from .bench.decode import bench_decode, default_peers, print_table
 
     if not torch.cuda.is_available():
         raise OnecopyError("onecopy bench compares batch-1 generation on a CUDA GPU, and none is visible")
@@ -186,7 +186,8 @@ def _cmd_bench_decode(a: argparse.Namespace) -> int:
     bundle = Path(a.bundle) if a.bundle else Path(a.work) / f"{Path(a.source).name}-msl{a.max_seq_len}{packing}"
     res = bench_decode(a.source, bundle, prompt_lens=[int(x) for x in a.prompt_lens.split(",")],
                        max_seq_len=a.max_seq_len, new_tokens=a.new_tokens, quantize=a.quantize, group_size=a.group_size,
-                       peers=[p for p in a.peers.split(",") if p], out_dir=Path(a.out_dir), tag=a.tag,
+                       peers=[p for p in (a.peers if a.peers is not None else default_peers(a.quantize)).split(",") if p],
+                       out_dir=Path(a.out_dir), tag=a.tag,
                        command="onecopy " + " ".join(sys.argv[1:]))
     print_table(res)
     return 0
@@ -363,11 +364,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--work", default="/tmp/onecopy-bench", help="where bundles are exported when --bundle is not given")
     b.add_argument("--prompt-lens", default="128,1024,8192")
     b.add_argument("--quantize", choices=["int8", "int4", "fp8"], help="export onecopy's bundle with packed projections "
-                   "(the peers keep bf16: the same run compares them)")
+                   "(the peers keep bf16: the same run compares them; with int4 the tinygemm peer runs the same int4 "
+                   "values through torch's int4 GEMM)")
     b.add_argument("--group-size", type=int, default=128, choices=[16, 32, 64, 128])
     b.add_argument("--max-seq-len", type=int, default=16384)
     b.add_argument("--new-tokens", type=int, default=256)
-    b.add_argument("--peers", default="torch.compile,transformers", help="comma-separated; empty for none")
+    b.add_argument("--peers", help="comma-separated among torch.compile, transformers, tinygemm (an int4 bundle's "
+                                   "values); empty for none; default: torch.compile,transformers (+ tinygemm with "
+                                   "--quantize int4)")
     b.add_argument("--out-dir", default="benchmarks/results")
     b.add_argument("--tag", default="cuda", help="suffix of the JSON and PNG names, e.g. h200")
     b.set_defaults(fn=_cmd_bench_decode)

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 import onecopy
@@ -83,3 +84,16 @@ def test_trtllm_figures_are_matched_to_the_gpu_by_name():
 
     assert reference_gpu("NVIDIA H100 80GB HBM3") == "H100" and reference_gpu("NVIDIA H200") == "H200"
     assert reference_gpu("NVIDIA A100-SXM4-80GB") is None
+
+
+def test_an_int4_bench_runs_the_tinygemm_peer_and_it_needs_int4_values():
+    """`onecopy bench --quantize int4` adds the tinygemm peer (torch's int4 GEMM on the bundle's own values);
+    asked of a bundle without 4-bit projections it says which export it needs."""
+    from onecopy.bench.decode import PEERS, default_peers, int4_layers
+
+    assert default_peers("int4").split(",") == ["torch.compile", "transformers", "tinygemm"]
+    assert default_peers("int8") == default_peers(None) == "torch.compile,transformers"
+    assert set(default_peers("int4").split(",")) <= set(PEERS)
+    q = {"layers.0.attention.wo": {"layout": "q8s_mma", "group": 128}, "tok_embeddings": {"layout": "q4a", "group": 32}}
+    with pytest.raises(ValueError, match="export with --quantize int4"):
+        int4_layers({}, q)

@@ -115,6 +115,30 @@ def batched_step_ms(engine, sessions: list, steps: int = 100, warmup: int = 5) -
     return start.elapsed_time(end) / steps
 
 
+PEERS = ("torch.compile", "transformers", "tinygemm")
+
+
+def default_peers(quantize: str | None) -> str:
+    """The peers `onecopy bench` runs unless told: torch.compile and transformers on the (dequantized) weights,
+    and for an int4 bundle tinygemm on its int4 values too."""
+    return "torch.compile,transformers" + (",tinygemm" if quantize == "int4" else "")
+
+
+def int4_layers(weights: dict[str, torch.Tensor], packed: dict[str, dict[str, Any]]) -> dict[str, tuple]:
+    """The 4-bit projections of a bundle (its manifest's ``packed``) as `peers.TinygemmPeer` takes them."""
+    from ..models.packed import Packed
+    from .peers import int4_operands
+
+    out = {}
+    for name, p in packed.items():
+        if p["layout"].startswith(("q4a", "q4z")) and not name.startswith("tok_embeddings"):
+            out[name] = int4_operands(Packed(p["layout"], p["group"], weights[f"{name}.qweight"],
+                                             weights[f"{name}.scales"], weights.get(f"{name}.mins")))
+    if not out:
+        raise ValueError("the tinygemm peer runs an int4 bundle's values: export with --quantize int4")
+    return out
+
+
 def bench_decode(source: str, bundle: Path, *, prompt_lens: list[int], max_seq_len: int, new_tokens: int,
                  peers: list[str], out_dir: Path, tag: str, command: str, quantize: str | None = None,
                  group_size: int = 128) -> dict[str, Any]:
@@ -122,7 +146,7 @@ def bench_decode(source: str, bundle: Path, *, prompt_lens: list[int], max_seq_l
     from ..bundle import read_manifest
     from ..models.packed import as_float_weights
     from ..runtime.engine import Engine
-    from .peers import CompiledPeer, TransformersPeer
+    from .peers import CompiledPeer, TinygemmPeer, TransformersPeer
 
     res: dict[str, Any] = {"command": command, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                            "source": source, "max_seq_len": max_seq_len, "new_tokens": new_tokens, "rows": []}
@@ -174,14 +198,18 @@ def bench_decode(source: str, bundle: Path, *, prompt_lens: list[int], max_seq_l
     for name in peers:
         try:
             t0 = time.perf_counter()
-            peer = CompiledPeer(peer_weights, cfg, max_seq_len) if name == "torch.compile" else \
-                TransformersPeer(peer_weights, cfg, max_seq_len)
+            if name == "torch.compile":
+                peer = CompiledPeer(peer_weights, cfg, max_seq_len)
+            elif name == "tinygemm":
+                peer = TinygemmPeer(peer_weights, int4_layers(weights, engine.manifest.packed), cfg, max_seq_len)
+            else:
+                peer = TransformersPeer(peer_weights, cfg, max_seq_len)
             peer.generate(prompts[prompt_lens[0]], 4)  # compiles (prefill shapes recompile per length: warmed below)
             res[f"{name}_compile_s"] = round(time.perf_counter() - t0, 1)
             for n in prompt_lens:
                 peer.generate(prompts[n], new_tokens)  # warm this length, whatever it compiles or captures
                 with DevicePeak() as peak:
-                    if name == "torch.compile":
+                    if name in ("torch.compile", "tinygemm"):
                         ttft, times = peer.generate(prompts[n], new_tokens)
                         ms = 1000 * statistics.mean(b - a for a, b in zip(times, times[1:]))
                     else:

@@ -3,6 +3,8 @@
 - `CompiledPeer`: a gpt-fast-style model (fused qkv and gate/up, static KV cache buffers, SDPA with
   a mask over the whole cache), decode compiled with torch.compile(mode="reduce-overhead",
   fullgraph=True), prefill with torch.compile(dynamic=True).
+- `TinygemmPeer`: the same with torch's int4 weight-only GEMM (tinygemm) for the projections of an int4
+  bundle (gpt-fast's and torchao's int4 recipe), on the bundle's own int4 values.
 - `TransformersPeer`: transformers' LlamaForCausalLM with a static cache of max_seq_len, which its
   generate() compiles (reduce-overhead, fullgraph): what the transformers docs recommend for fast generation.
 """
@@ -10,12 +12,16 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from ..models.layers import rope_inv_freq
 from ..models.llama import LlamaConfig
+
+if TYPE_CHECKING:
+    from ..models.packed import Packed
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,7 +66,7 @@ class CompiledPeer:
         for i in range(cfg.n_layers):
             p = f"layers.{i}."
             h = _rms(x, w[p + "attention_norm.weight"], cfg.rms_norm_eps)
-            q, k, v = F.linear(h, w[p + "attention.wqkv.weight"]).split([q_size, kv_size, kv_size], dim=-1)
+            q, k, v = self.linear(h, p + "attention.wqkv").split([q_size, kv_size, kv_size], dim=-1)
             q = q.view(1, t, cfg.n_heads, cfg.head_dim).transpose(1, 2)
             k = k.view(1, t, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
             v = v.view(1, t, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
@@ -69,13 +75,18 @@ class CompiledPeer:
             self.k[i][:, :, input_pos] = k
             self.v[i][:, :, input_pos] = v
             y = F.scaled_dot_product_attention(q, self.k[i], self.v[i], attn_mask=mask, enable_gqa=True)
-            x = x + F.linear(y.transpose(1, 2).reshape(1, t, q_size), w[p + "attention.wo.weight"])
+            x = x + self.linear(y.transpose(1, 2).reshape(1, t, q_size), p + "attention.wo")
             h = _rms(x, w[p + "ffn_norm.weight"], cfg.rms_norm_eps)
-            gate, up = F.linear(h, w[p + "feed_forward.w13.weight"]).split(cfg.intermediate_size, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w[p + "feed_forward.w2.weight"])
+            gate, up = self.linear(h, p + "feed_forward.w13").split(cfg.intermediate_size, dim=-1)
+            x = x + self.linear(F.silu(gate) * up, p + "feed_forward.w2")
         x = _rms(x[:, -1], w["norm.weight"], cfg.rms_norm_eps)
-        head = w["tok_embeddings.weight"] if cfg.tie_embeddings else w["output.weight"]
-        return F.linear(x, head)
+        if cfg.tie_embeddings:
+            return F.linear(x, w["tok_embeddings.weight"])
+        return self.linear(x, "output")
+
+    def linear(self, x: torch.Tensor, layer: str) -> torch.Tensor:
+        """The projection ``layer`` (a module name: its weight is ``<layer>.weight``) of x."""
+        return F.linear(x, self.w[layer + ".weight"])
 
     @torch.no_grad()
     def generate(self, prompt: list[int], new_tokens: int) -> tuple[float, list[float]]:
@@ -95,6 +106,43 @@ class CompiledPeer:
             tok.cpu()  # the token reaches the host, as in any generation loop
             times.append(time.perf_counter())
         return ttft, times
+
+
+class TinygemmPeer(CompiledPeer):
+    """`CompiledPeer` whose projections are torch's int4 weight-only GEMM (``aten._weight_int4pack_mm``,
+    "tinygemm": what torchao's int4 weight-only quantization and gpt-fast's int4 run) on the same int4 values
+    as onecopy's bundle: ``int4`` maps a layer to its weight as `int4_operands` packs it."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], int4: dict[str, tuple[torch.Tensor, torch.Tensor, int]],
+                 cfg: LlamaConfig, max_seq_len: int) -> None:
+        self.int4 = int4
+        for packed, sz, _ in int4.values():
+            torch._dynamo.mark_static_address(packed)
+            torch._dynamo.mark_static_address(sz)
+        super().__init__(weights, cfg, max_seq_len)
+
+    def linear(self, x: torch.Tensor, layer: str) -> torch.Tensor:
+        if layer not in self.int4:
+            return super().linear(x, layer)
+        packed, sz, group = self.int4[layer]
+        y = torch.ops.aten._weight_int4pack_mm(x.reshape(-1, x.shape[-1]).contiguous(), packed, group, sz)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def int4_operands(w: "Packed") -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A 4-bit packed weight (q4a or q4z, any order) as ``aten._weight_int4pack_mm`` takes it: tinygemm computes
+    (q - 8) * scale + zero, so zero = m + 8 s (q4a) or 0 (q4z); scales and zeros [K / group, N, 2] in bf16."""
+    from ..models.packed import stored_order
+
+    w = stored_order(w)
+    if w.layout not in ("q4a", "q4z"):
+        raise ValueError(f"tinygemm takes 4-bit weights (q4a, q4z), not {w.layout}")
+    n, k = w.shape
+    q = torch.stack((w.qweight & 0x0F, w.qweight >> 4), dim=-1).reshape(n, k).to(torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), 8)
+    zero = w.mins + 8 * w.scales if w.mins is not None else torch.zeros_like(w.scales)
+    sz = torch.stack((w.scales.t(), zero.t()), dim=-1).to(torch.bfloat16).contiguous()
+    return packed, sz, w.group
 
 
 class TransformersPeer:
