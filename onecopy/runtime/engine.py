@@ -12,6 +12,7 @@ The engine sizes the pool (`memory`), checks and submits requests, and reports m
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import warnings
@@ -25,6 +26,7 @@ from ..errors import EngineClosedError, InputError, SessionCapacityError
 from ..params import SamplingParams
 from ..tokenizer import Tokenizer
 from .config import EngineConfig
+from .cpu_threads import on_short_lived_thread
 from .kv_manager import KVSpec
 from .loop import EngineLoop
 from .memory import (MemoryReport, default_reserve, device_used, engine_report, row_bytes, size_blocks, size_paged_sessions,
@@ -97,6 +99,20 @@ class Engine:
             torch.cuda.init()
         if config.cuda_graphs and dev.type != "cuda":
             raise InputError("cuda_graphs=True needs a CUDA device; load with device='cuda' or cuda_graphs=False")
+        # On a CPU, on a thread that exits: no OpenMP team of the caller's thread beside the loop's (cpu_threads).
+        load = functools.partial(cls._load, Path(bundle_dir), dev, config)
+        engine = on_short_lived_thread(load) if dev.type == "cpu" else load()
+        if engine.single_session_reason:
+            warnings.warn(f"bundle {bundle_dir}: {engine.single_session_reason}", stacklevel=2)
+        if any(m.embeds_weights for m in engine._methods.values()):
+            warnings.warn(f"bundle {bundle_dir} has methods that carry their own weights "
+                          f"({engine.memory_report().duplicated_weight_bytes} duplicated bytes); "
+                          "export it again with onecopy to share one copy", stacklevel=2)
+        return engine
+
+    @classmethod
+    def _load(cls, bundle_dir: Path, dev: torch.device, config: EngineConfig) -> "Engine":
+        """`load`'s work, on its device (``config`` checked)."""
         baseline = device_used(dev)
         bundle = read_bundle(Path(bundle_dir), dev.type)
         manifest = bundle.manifest
@@ -128,12 +144,6 @@ class Engine:
             raise
         finally:
             bundle.close()
-        if engine.single_session_reason:
-            warnings.warn(f"bundle {bundle_dir}: {engine.single_session_reason}", stacklevel=2)
-        if any(m.embeds_weights for m in methods.values()):
-            warnings.warn(f"bundle {bundle_dir} has methods that carry their own weights "
-                          f"({engine.memory_report().duplicated_weight_bytes} duplicated bytes); "
-                          "export it again with onecopy to share one copy", stacklevel=2)
         return engine
 
     def _setup(self, config: EngineConfig) -> None:
