@@ -114,7 +114,7 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
     keeps one row of max_seq_len positions per session. Families without paged KV ignore it.
     A GGUF source's quantized tensors stay packed (`models.quantize.pack_gguf`) unless ``dequantize``
     (None, the default, is False): the CUDA decode kernels and the CPU's C++ kernel (`kernels.cpu`) read
-    them packed (SmolLM2 Q4_1 on 2 cores: 0.47x the float bundle's time per token with a fifth of its weight
+    them packed (SmolLM2 Q4_1 on 2 cores: 0.24x the float bundle's time per token with a fifth of its weight
     bytes, benchmarks/results/packed_cpu_smollm2.json). True stores them as floats.
     ``quantize`` ("int8" or "int4", with ``group_size`` values per scale) packs a float model's
     projections (`models.quantize.quantize_model`). The manifest records each packed layer's layout.
