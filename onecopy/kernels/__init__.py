@@ -15,7 +15,8 @@ One module per kernel family; the models call the ops through the functions re-e
 - `dequant`: a packed weight dequantized for a prefill chunk's cuBLAS GEMM (`dequantize`);
 - `linear_triton`: the Triton source of both (one packed-tile dequantization), imported on first launch;
 - `tiles`: every tile table and tiling constant of the three (and of `native`);
-- `native`: CUDA C++ kernels as ``torch.ops.onecopy_native`` ops (the 8-bit decode attention), built with
+- `native`: CUDA C++ kernels as ``torch.ops.onecopy_native`` ops (the 8-bit decode attention; the packed
+  int4 / int8 projections of tile-ordered weights and the FP8 GEMV, `models.packed` calls them), built with
   nvcc on first use; the ``_q8`` decode calls below take them where they serve the shapes (``native=``);
 - `ops`: the op definitions (once, at import of this package, where Triton and CUDA are usable),
   `available`, and the calls above.
