@@ -124,7 +124,7 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
     ``native_kernels``: a CUDA export decodes an 8-bit cache with the CUDA C++ kernel where it serves the
     shapes (`kernels.native`, built here with nvcc), writes packed int4 / int8 projections in the tile
     order of its packed-projection kernel (the ``_mma`` layouts, `models.mma_order`) and multiplies FP8
-    weights by its FP8 kernel for up to 16 rows; the manifest lists the library under each method's
+    weights by its FP8 kernel for up to 8 rows; the manifest lists the library under each method's
     ``native_ops`` and the runtime loads it first. False keeps the Triton kernels and cuBLAS (the comparison).
     ``progress``: a bar of the export's steps on stderr, with its notes (the source being read, GGUF layers
     kept float) above it; without it the notes are logged at INFO (`progress_note`).

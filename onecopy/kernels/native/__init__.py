@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from ...layouts import MMA_LAYOUT_IDS
+
 LIBRARY = "onecopy_native"
 _SOURCES = ("ops.cpp", "decode_q8.cu", "packed_linear.cu")
 KERNEL_MAX_ROWS = 32  # kKernelMaxRows: the packed-projection op's kernel rows (more: unpack + cuBLAS)
@@ -167,7 +169,8 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake(f"{LIBRARY}::unpack_weight")
     def _(qweight, scales, mins, layout, group, half):
-        return qweight.new_empty((qweight.shape[0], qweight.shape[1] * (1 if layout == 3 else 2)),
+        per_byte = 1 if layout == MMA_LAYOUT_IDS["q8s_mma"] else 2
+        return qweight.new_empty((qweight.shape[0], qweight.shape[1] * per_byte),
                                  dtype=torch.float16 if half else torch.bfloat16)
 
     @torch.library.register_fake(f"{LIBRARY}::fp8_linear")

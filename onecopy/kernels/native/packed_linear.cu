@@ -406,14 +406,15 @@ __device__ __forceinline__ float half_f(uint16_t v, bool bf16) {
   return bf16 ? __uint_as_float(static_cast<uint32_t>(v) << 16) : __half2float(__ushort_as_half(v));
 }
 
-// FP8: one CTA per 16 output features and up to 8 rows (NT n-tiles of 8), 8 warps over 64-value chunks. Each row of x is quantized as models/packed.py's
+// FP8: one CTA per 16 output features and up to 8 rows (one n-tile), 8 warps over 64-value chunks. Each row of x is quantized as models/packed.py's
 // quantize_rows does on CUDA (scale = max |x| * fl(1 / 448), e4m3(x / scale)): the CTA finds the rows' maxima together, then
 // stages the e4m3 rows in shared memory (S) or, for rows too wide for it, quantizes them again as it reads them.
 // A thread's 16 bytes of weight row g (and g + 8) at values 16 t.. of a chunk are its A fragments for two k32
 // steps, x's row g the same values its B fragments: the reduction index permuted alike in A and B (as above),
 // with the weight as stored (row-major, which cuBLAS's FP8 GEMM reads for more rows).
-template <int NT, bool S>
+template <bool S>
 __global__ void __launch_bounds__(kThreads) fp8_linear_kernel(Fp8LinearParams p) {
+  constexpr int NT = 1;  // n-tiles of 8 rows: kFp8MaxRows rows, cuBLAS's FP8 GEMM past them
   constexpr int kAcc = NT * 4;
   constexpr int kU = 4;
   constexpr int kRows = 8 * NT;
@@ -674,9 +675,9 @@ int fp8_linear_launch(const Fp8LinearParams& p, cudaStream_t stream) {
   const size_t smem = static_cast<size_t>(p.m) * (p.k + 16);
   const bool staged = smem <= kStageBytes;
   if (staged)
-    launch_overlapped(fp8_linear_kernel<1, true>, grid, smem, stream, p);
+    launch_overlapped(fp8_linear_kernel<true>, grid, smem, stream, p);
   else
-    launch_overlapped(fp8_linear_kernel<1, false>, grid, 0, stream, p);
+    launch_overlapped(fp8_linear_kernel<false>, grid, 0, stream, p);
   return static_cast<int>(cudaGetLastError());
 }
 
