@@ -121,3 +121,12 @@ def test_a_model_rewritten_in_the_tile_order_computes_the_same():
     with torch.no_grad():
         got = fresh(tokens, pos)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_unpacking_to_a_dtype_the_kernel_does_not_write_is_refused():
+    """The native unpack writes bf16 or fp16 only; asked for another dtype it says so before touching a GPU."""
+    from onecopy.kernels import native
+
+    t = tile_ordered(_weight("int4", "q4a", 32))
+    with pytest.raises(ValueError, match=r"unpack writes bfloat16 or float16, not torch.float32"):
+        native.unpack(t.qweight, t.scales, t.mins, 2, 32, torch.float32)
