@@ -1,11 +1,12 @@
 // Weight-only packed projections for a decode step's rows (int4 / int8 values with per-group scales, bf16
-// activations, fp32 accumulation) and an FP8 weight x FP8 activation product for up to 16 rows, on the tensor
+// activations, fp32 accumulation) and an FP8 weight x FP8 activation product for up to 8 rows, on the tensor
 // cores' register fragments.
 //
 // Why CUDA: the Triton small-linear kernel dequantizes every value in fp32 (shift, mask, convert, multiply,
 // add, round: ~8 instructions a value) and so reads int4 weights at ~1 TB/s, a fifth of what HBM gives.
-// Here a warp loads each weight tile with one 16-byte load per thread straight into the registers the MMA
-// reads (the export writes the weights in that order: models/mma_order.py), turns two 4-bit values into two
+// Here a warp copies each weight tile with one 16-byte cp.async per thread into a ring in shared memory, each
+// thread's 16 bytes being the register fragments the MMA reads (the export writes the weights in that order:
+// models/mma_order.py), several chunks in flight a warp; it turns two 4-bit values into two
 // exact bf16 integers with one LOP3 and one bf16x2 FMA (the 0x4300 | q = 128 + q trick), and multiplies the
 // integers on the tensor cores; each group's scale (and min) is applied to the fp32 sums after the MMAs,
 // which is both fewer instructions and one rounding fewer than dequantizing to bf16 first.
@@ -86,13 +87,17 @@ __device__ __forceinline__ uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
   return d;
 }
 
-// A weight chunk streams through once: keep it out of L1.
-__device__ __forceinline__ uint4 load_stream(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
+// The weights stream through a ring in shared memory (cp.async: the copy needs no registers while in flight, so a
+// warp keeps several chunks on the way while it multiplies an earlier one; a register double buffer kept one
+// chunk's worth a warp in flight and read int4 weights at ~1.6 TB/s on the H200). Each thread copies exactly the
+// bytes it reads back, so waiting for its own copies is all the synchronization a slot needs.
+__device__ __forceinline__ void copy_async16(void* dst, const void* src) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
 }
+__device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void copies_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 __device__ __forceinline__ float lo_f(uint32_t v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float hi_f(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
@@ -103,11 +108,10 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 constexpr uint32_t kMagic = 0x43004300u;   // bf16 128 | q: 128 + q for q < 128
-constexpr uint32_t kOne = 0x3f803f80u;     // bf16x2 1.0
 constexpr uint32_t kMinusOne = 0xbf80bf80u;
 
 // Fragment register r of MMA step j of a chunk (see the tile order above), as bf16x2 exact integers:
-// int4 q - 8 (q4z) or q (q4a); int8 q.
+// int4 128 + q; int8 q.
 template <int L>
 __device__ __forceinline__ void dequant_step(const uint4& w, int j, uint32_t (&a)[4]) {
   const uint32_t words[4] = {w.x, w.y, w.z, w.w};
@@ -119,10 +123,9 @@ __device__ __forceinline__ void dequant_step(const uint4& w, int j, uint32_t (&a
     for (int r = 0; r < 4; ++r)
       a[r] = fma2(and_or(src[r], 0x00800080u, kMagic), kMinusOne, and_or(src[r], 0x007f007fu, kMagic));
   } else {
-    const uint32_t v = words[j];
-    constexpr uint32_t bias = L == kQ4zMma ? 0xc308c308u : 0xc300c300u;  // -136 (q - 8) or -128 (q)
+    const uint32_t v = words[j];  // 128 + q (the kernel takes the 128, or 136 for q4z, off per scale period)
 #pragma unroll
-    for (int r = 0; r < 4; ++r) a[r] = fma2(and_or(v >> (4 * r), 0x000f000fu, kMagic), kOne, bias);
+    for (int r = 0; r < 4; ++r) a[r] = and_or(v >> (4 * r), 0x000f000fu, kMagic);
   }
 }
 
@@ -160,86 +163,120 @@ __device__ __forceinline__ uint4 times_norm(uint4 v, const __nv_bfloat16* nw, in
   return v;
 }
 
-// The largest power of two <= n, at least 1.
-__host__ __device__ constexpr int in_flight(int n) { return n >= 8 ? 8 : n >= 4 ? 4 : n >= 2 ? 2 : 1; }
+// A packed kernel's ring, per stage: each thread's G weight words (16 bytes) and each warp's scale rows (the 16
+// scales, and mins, of the chunk's tile and scale periods: 64 bytes each, copied by a few lanes, 16 bytes a lane);
+// as many stages as fit kRingBytes (2 to 8). 36 KB: 8 stages of one q4z weight (7 chunks a warp in flight), 3 or 4 of a
+// fused gate/up weight, and four CTAs an SM with a row of x each.
+constexpr int kRingBytes = 36 * 1024;
+template <int L, int GS, int G>
+struct Ring {
+  static constexpr int kCh = L == kQ8sMma ? 32 : 64;
+  static constexpr int kP = kCh / 16 / GS;                             // scale periods a chunk
+  static constexpr int kScaleRows = L == kQ4aMma ? 2 : 1;              // scales (and mins)
+  static constexpr int kScaleLanes = G * kP * kScaleRows * 4;          // lanes copying them (<= 32)
+  static constexpr int kPerStage = kThreads * 16 * G + kWarps * kScaleLanes * 16;
+  static constexpr int kFit = kRingBytes / kPerStage;
+  static constexpr int kStages = kFit > 8 ? 8 : kFit < 2 ? 2 : kFit;
+  static constexpr int kBytes = kStages * kPerStage;
+  static_assert(kScaleLanes <= 32, "one 16-byte scale copy a lane and chunk");
+};
 
 // L: layout; NT: 8-row n-tiles per CTA; GS: MMA steps per scale (a group's share of a chunk); G: 2 with a
-// fused gate/up weight; S: x staged in shared memory (dynamic, rows K + 8 values apart: no bank conflicts).
+// fused gate/up weight; S: x staged in shared memory (dynamic, after the ring; rows K + 8 values apart: no bank
+// conflicts), and for int4 each row's sums over each scale period computed there once.
+//
+// Persistent: a CTA takes tiles blockIdx.y, + gridDim.y, ... (the launch sizes the grid to the CTAs that fit at
+// once), so x is staged, the norm's 1 / rms found and the ring filled once a CTA, not once a tile; a warp's chunk
+// stream runs on across its CTA's tiles, so the ring never drains between them.
+//
+// int4 values enter the MMA as the exact bf16 integers 128 + q (one LOP3 a pair, no bias subtraction): the
+// bias comes back per scale period through x's sum over the period, s (sum x (128 + q) - b sum x) + m sum x
+// (b = 136 for q4z's q - 8, 128 for q4a), exact algebra; the sums stay far inside fp32's range and precision.
 template <int L, int NT, int GS, int G, bool S>
-__global__ void __launch_bounds__(kThreads, 2) packed_linear_kernel(PackedLinearParams p) {
-  constexpr int kCh = L == kQ8sMma ? 32 : 64;
+__global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : 2) packed_linear_kernel(PackedLinearParams p) {
+  using R = Ring<L, GS, G>;
+  constexpr int kCh = R::kCh;
   constexpr int kSteps = kCh / 16;
   constexpr bool kAffine = L == kQ4aMma;
+  constexpr bool kInt4 = L != kQ8sMma;
+  constexpr float kBias = L == kQ4zMma ? 136.f : 128.f;
   constexpr int kRows = 8 * NT;
-  constexpr int kP = kSteps / GS;  // scale periods per chunk
-  // Chunks in flight per warp (twice that with the next iteration's), as many as ~96 registers hold next to the
-  // sums (128 a thread: 2 CTAs an SM; a gate/up kernel of one CTA an SM with 255 registers and twice the chunks
-  // ran 1.4x slower on the H200): a chunk's buffers are 4 weight words and 2 scales (and 2 mins) a period.
-  constexpr int kU = in_flight((96 - 8 * G * NT) / (2 * G * (4 + 2 * kP * (kAffine ? 2 : 1))));
+  constexpr int kP = R::kP;
+  constexpr int kSR = R::kScaleRows;
+  constexpr int kSL = R::kScaleLanes;
+  constexpr int kStages = R::kStages;
   constexpr int kAcc = G * NT * 4;
-  extern __shared__ uint4 staged[];
-  __shared__ float red[4 * kAcc * 32];
+  extern __shared__ uint4 dyn[];
+  __shared__ float red[NT == 1 ? 1 : 4 * kAcc * 32];
+  __shared__ float red1[NT == 1 ? 2 * kWarps * kAcc * 32 : 1];
   __shared__ float fin[G][16][kRows + 1];
   __shared__ float rstd[kRows];
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int row0 = blockIdx.x * kRows;
-  const int tile = blockIdx.y;
   const int tiles_out = p.n_out / 16;
+  int tiles_done = 0;
   const int chunks = p.k / kCh;
   const int groups = p.k / p.group;
+  const int periods = p.k / (16 * GS);          // scale periods a row
+  const int group_shift = 31 - __clz(p.group);  // groups are powers of two: no division in the loop
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(p.x);
-  const uint4* wp[G];
-  const float* sp[G];
-  const float* mp[G];
-#pragma unroll
-  for (int h = 0; h < G; ++h) {
-    const int64_t ti = tile + h * tiles_out;  // a fused gate/up weight: the up tiles follow the gate tiles
-    wp[h] = static_cast<const uint4*>(p.w) + ti * chunks * 32 + lane;
-    sp[h] = p.s + ti * groups * 16;
-    mp[h] = kAffine ? p.mn + ti * groups * 16 : nullptr;
-  }
+  const uint4* w = static_cast<const uint4*>(p.w);
 
-  // A chunk's weights and the scales (and mins) of its groups for rows g and g + 8, loaded an iteration ahead:
-  // a scale read when its sums are ready waited a round trip to L2 per chunk.
-  uint4 cur[kU][G], nxt[kU][G];
-  float cs[kU][G][kP][2], ns[kU][G][kP][2], cm[kU][G][kP][2], nm[kU][G][kP][2];
-  auto load = [&](uint4(&dst)[kU][G], float(&ds)[kU][G][kP][2], float(&dm)[kU][G][kP][2], int c0) {
+  // The ring: stage-major; weights by thread (a warp's 32 threads side by side: no bank conflicts), then the
+  // scale rows by warp. Lane l < kSL copies 16 bytes: scale row u = l / 4 ((h, period, scale or min)), part l % 4.
+  uint4* ring_w = dyn;
+  float* ring_s = reinterpret_cast<float*>(dyn + kStages * G * kThreads);
+  const int su = lane >> 2, spart = lane & 3;
+  const int s_which = su % kSR, s_pp = (su / kSR) % kP, s_h = su / (kSR * kP);
+  const float* s_src = (kAffine && s_which ? p.mn : p.s) + 4 * spart;
+  // The next chunk this warp copies: (tile, chunk), advanced chunk by chunk over this CTA's tiles, with its
+  // sources (a chunk 8 on: the weights 8 x 512 bytes on, the scales 8 chunks' groups on).
+  const int q0 = (warp * kCh + s_pp * GS * 16) >> group_shift;
+  const int s_step = ((kWarps * kCh) >> group_shift) * 16;
+  const int64_t w_up = static_cast<int64_t>(tiles_out) * chunks * 32;  // gate -> up tile
+  int is_tile = blockIdx.y, is_c = warp;
+  const uint4* w_next = w + (static_cast<int64_t>(is_tile) * chunks + warp) * 32 + lane;
+  const float* s_next = s_src + ((static_cast<int64_t>(is_tile) + s_h * tiles_out) * groups + q0) * 16;
+  int wr = 0;
+  auto issue_next = [&]() {
+    if (is_tile < tiles_out && is_c < chunks) {
 #pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int c = c0 + u * kWarps;
-#pragma unroll
-      for (int h = 0; h < G; ++h) {
-        dst[u][h] = c < chunks ? load_stream(wp[h] + c * 32) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int pp = 0; pp < kP; ++pp) {
-          const int q = c < chunks ? (c * kCh + pp * GS * 16) / p.group : 0;
-          ds[u][h][pp][0] = __ldg(sp[h] + q * 16 + g);
-          ds[u][h][pp][1] = __ldg(sp[h] + q * 16 + g + 8);
-          if constexpr (kAffine) {
-            dm[u][h][pp][0] = __ldg(mp[h] + q * 16 + g);
-            dm[u][h][pp][1] = __ldg(mp[h] + q * 16 + g + 8);
-          }
-        }
+      for (int h = 0; h < G; ++h) copy_async16(ring_w + (wr * G + h) * kThreads + threadIdx.x, w_next + h * w_up);
+      if (lane < kSL) copy_async16(ring_s + ((wr * kWarps + warp) * kSL + lane) * 4, s_next);
+      is_c += kWarps;
+      w_next += kWarps * 32;
+      s_next += s_step;
+      if (is_c >= chunks) {
+        is_c = warp;
+        is_tile += gridDim.y;
+        w_next = w + (static_cast<int64_t>(is_tile) * chunks + warp) * 32 + lane;
+        s_next = s_src + ((static_cast<int64_t>(is_tile) + s_h * tiles_out) * groups + q0) * 16;
       }
     }
+    copies_commit();
+    wr = wr + 1 == kStages ? 0 : wr + 1;
   };
   allow_dependents();
-  load(cur, cs, cm, warp);  // the first weights are in flight while x is staged and the norm's sums are read
-  wait_for_inputs();        // x, the norm's sums and the residual come from the kernels before this one
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) issue_next();  // in flight while x is staged and the norm's sums are read
+  wait_for_inputs();  // x, the norm's sums and the residual come from the kernels before this one
 
   const int mb = min(p.m - row0, kRows);  // this block's rows
   const int sk = p.k + 8;                 // staged row stride
-  const __nv_bfloat16* xs_smem = reinterpret_cast<const __nv_bfloat16*>(staged);
+  const __nv_bfloat16* xs_smem = reinterpret_cast<const __nv_bfloat16*>(dyn + R::kBytes / 16);
+  float* xsum = reinterpret_cast<float*>(reinterpret_cast<char*>(dyn) + R::kBytes) +
+                (S ? mb * sk / 2 : 0);  // [mb][periods] after the staged rows (int4)
   if constexpr (S) {
+    __nv_bfloat16* st = const_cast<__nv_bfloat16*>(xs_smem);
     const int per_row = p.k / 8;
 #pragma unroll 4
     for (int i = threadIdx.x; i < mb * per_row; i += kThreads) {
       const int r = i / per_row, k8 = (i - r * per_row) * 8;
       uint4 v = *reinterpret_cast<const uint4*>(x + (row0 + r) * p.stride_x + k8);
       if (p.nw != nullptr) v = times_norm(v, static_cast<const __nv_bfloat16*>(p.nw), k8);
-      *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(staged) + r * sk + k8) = v;
+      *reinterpret_cast<uint4*>(st + r * sk + k8) = v;
     }
   }
   if (p.nw != nullptr) {  // each row's 1 / rms from the partial sums of squares: one warp a row, a fixed order
@@ -254,15 +291,47 @@ __global__ void __launch_bounds__(kThreads, 2) packed_linear_kernel(PackedLinear
     }
   }
   const __nv_bfloat16* nw = S ? nullptr : static_cast<const __nv_bfloat16*>(p.nw);  // staged: applied already
-  if constexpr (S) __syncthreads();
-
-  float acc[G][NT][4] = {};
-  for (int c0 = warp; c0 < chunks; c0 += kU * kWarps) {
-    load(nxt, ns, nm, c0 + kU * kWarps);
+  __syncthreads();
+  if constexpr (S && kInt4) {
+    // x's sum over each scale period of each row, in the order the loop below adds it when x is not staged
+    // (per thread of a quad (x0 + x1) + (x2 + x3) a step, the steps in turn, then the quad's four (s0 + s1) +
+    // (s2 + s3)): the same bits either way.
+    for (int i = threadIdx.x; i < mb * periods; i += kThreads) {
+      const int r = i / periods, k0 = (i - r * periods) * 16 * GS;
+      float q[4];
 #pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int c = c0 + u * kWarps;
-      if (c >= chunks) break;
+      for (int tt = 0; tt < 4; ++tt) {
+        float s = 0.f;
+#pragma unroll
+        for (int j = 0; j < GS; ++j) {
+          const uint2 v = *reinterpret_cast<const uint2*>(xs_smem + r * sk + k0 + 16 * j + 4 * tt);
+          s += (lo_f(v.x) + hi_f(v.x)) + (lo_f(v.y) + hi_f(v.y));
+        }
+        q[tt] = s;
+      }
+      xsum[i] = (q[0] + q[1]) + (q[2] + q[3]);
+    }
+    __syncthreads();
+  }
+
+  // The rows this thread's B fragments read: past the block's last row, that row again (those MMA columns
+  // are never written out; a column's sums depend on its own row only), so the loads need no branch.
+  int xrow[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) xrow[nt] = min(nt * 8 + g, mb - 1);
+  int rd = 0;
+  for (int tile = blockIdx.y; tile < tiles_out; tile += gridDim.y) {
+    float acc[G][NT][4] = {};
+    for (int c = warp; c < chunks; c += kWarps) {
+      __syncwarp();  // every lane has read the stage the next copy overwrites (the scale rows are shared)
+      issue_next();
+      copies_wait<kStages - 1>();  // this chunk's copies (this thread's) are in,
+      __syncwarp();                // and the other lanes' scale rows too
+      uint4 wv[G];
+#pragma unroll
+      for (int h = 0; h < G; ++h) wv[h] = ring_w[(rd * G + h) * kThreads + threadIdx.x];
+      const float* sr = ring_s + (rd * kWarps + warp) * kSL * 4;
+      rd = rd + 1 == kStages ? 0 : rd + 1;
       float tmp[G][NT][4] = {};
       float xs[NT] = {};
 #pragma unroll
@@ -273,48 +342,51 @@ __global__ void __launch_bounds__(kThreads, 2) packed_linear_kernel(PackedLinear
         if (nw != nullptr) nv = *reinterpret_cast<const uint2*>(nw + k);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          const int row = nt * 8 + g;
-          uint2 v = make_uint2(0, 0);
-          if (row < mb)
-            v = S ? *reinterpret_cast<const uint2*>(xs_smem + row * sk + k)
-                  : *reinterpret_cast<const uint2*>(x + (row0 + row) * p.stride_x + k);
+          uint2 v = S ? *reinterpret_cast<const uint2*>(xs_smem + xrow[nt] * sk + k)
+                      : *reinterpret_cast<const uint2*>(x + (row0 + xrow[nt]) * p.stride_x + k);
           if (nw != nullptr) {  // the norm's weight, one rounding, as the eager x * w
             v.x = pack_bf16(lo_f(v.x) * lo_f(nv.x), hi_f(v.x) * hi_f(nv.x));
             v.y = pack_bf16(lo_f(v.y) * lo_f(nv.y), hi_f(v.y) * hi_f(nv.y));
           }
           b[nt][0] = v.x;
           b[nt][1] = v.y;
-          if constexpr (kAffine) xs[nt] += (lo_f(v.x) + hi_f(v.x)) + (lo_f(v.y) + hi_f(v.y));
+          if constexpr (kInt4 && !S) xs[nt] += (lo_f(v.x) + hi_f(v.x)) + (lo_f(v.y) + hi_f(v.y));
         }
 #pragma unroll
         for (int h = 0; h < G; ++h) {
           uint32_t a[4];
-          dequant_step<L>(cur[u][h], j, a);
+          dequant_step<L>(wv[h], j, a);
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) mma_bf16(tmp[h][nt], a, b[nt][0], b[nt][1]);
         }
         if ((j + 1) % GS == 0) {  // the group's scale (and min) on its sums
+          const int period = (j + 1) / GS - 1;
           float xc0[NT], xc1[NT];
-          if constexpr (kAffine) {  // x's sum over the group's values, for the columns this thread holds
+          if constexpr (kInt4) {  // x's sum over the period's values, for the columns this thread holds
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-              float s = xs[nt];
-              s += __shfl_xor_sync(0xffffffffu, s, 1);
-              s += __shfl_xor_sync(0xffffffffu, s, 2);
-              xc0[nt] = __shfl_sync(0xffffffffu, s, 8 * t);
-              xc1[nt] = __shfl_sync(0xffffffffu, s, 8 * t + 4);
-              xs[nt] = 0.f;
+              if constexpr (S) {
+                const int r0 = min(nt * 8 + 2 * t, mb - 1), r1 = min(nt * 8 + 2 * t + 1, mb - 1);
+                const int pi = c * kP + period;
+                xc0[nt] = xsum[r0 * periods + pi];
+                xc1[nt] = xsum[r1 * periods + pi];
+              } else {
+                float s = xs[nt];
+                s += __shfl_xor_sync(0xffffffffu, s, 1);
+                s += __shfl_xor_sync(0xffffffffu, s, 2);
+                xc0[nt] = __shfl_sync(0xffffffffu, s, 8 * t);
+                xc1[nt] = __shfl_sync(0xffffffffu, s, 8 * t + 4);
+                xs[nt] = 0.f;
+              }
             }
           }
 #pragma unroll
           for (int h = 0; h < G; ++h) {
-            const int period = (j + 1) / GS - 1;
-            const float s0 = cs[u][h][period][0], s1 = cs[u][h][period][1];
-            float m0 = 0.f, m1 = 0.f;
-            if constexpr (kAffine) {
-              m0 = cm[u][h][period][0];
-              m1 = cm[u][h][period][1];
-            }
+            const float* sc = sr + (h * kP + period) * kSR * 16;
+            const float s0 = sc[g], s1 = sc[g + 8];
+            // q4a: s (128 + q) + (m - 128 s) = s q + m; q4z: s (128 + q - 136)
+            const float m0 = kAffine ? fmaf(-kBias, s0, sc[16 + g]) : -kBias * s0;
+            const float m1 = kAffine ? fmaf(-kBias, s1, sc[16 + g + 8]) : -kBias * s1;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
               float* d = acc[h][nt];
@@ -323,7 +395,7 @@ __global__ void __launch_bounds__(kThreads, 2) packed_linear_kernel(PackedLinear
               d[1] = fmaf(s0, e[1], d[1]);
               d[2] = fmaf(s1, e[2], d[2]);
               d[3] = fmaf(s1, e[3], d[3]);
-              if constexpr (kAffine) {
+              if constexpr (kInt4) {
                 d[0] = fmaf(m0, xc0[nt], d[0]);
                 d[1] = fmaf(m0, xc1[nt], d[1]);
                 d[2] = fmaf(m1, xc0[nt], d[2]);
@@ -335,61 +407,89 @@ __global__ void __launch_bounds__(kThreads, 2) packed_linear_kernel(PackedLinear
         }
       }
     }
+
+    float* flat = &acc[0][0][0];
+    if constexpr (NT == 1) {
+      // One barrier a tile: the warps' sums into one of two buffers (the other may still be read for the tile
+      // before), warp 0 adds them in reduce_warps's tree order (the same bits as the wider blocks) while the
+      // others go on to the next tile.
+      float* rb = red1 + (tiles_done & 1) * kWarps * kAcc * 32;
 #pragma unroll
-    for (int u = 0; u < kU; ++u)
+      for (int i = 0; i < kAcc; ++i) rb[(warp * kAcc + i) * 32 + lane] = flat[i];
+      __syncthreads();
+      if (warp == 0) {
 #pragma unroll
-      for (int h = 0; h < G; ++h) {
-        cur[u][h] = nxt[u][h];
-#pragma unroll
-        for (int pp = 0; pp < kP; ++pp) {
-          cs[u][h][pp][0] = ns[u][h][pp][0];
-          cs[u][h][pp][1] = ns[u][h][pp][1];
-          cm[u][h][pp][0] = nm[u][h][pp][0];
-          cm[u][h][pp][1] = nm[u][h][pp][1];
+        for (int i = 0; i < kAcc; ++i) {
+          const float* v = rb + i * 32 + lane;
+          constexpr int W = kAcc * 32;
+          flat[i] = ((v[0] + v[4 * W]) + (v[2 * W] + v[6 * W])) + ((v[W] + v[5 * W]) + (v[3 * W] + v[7 * W]));
         }
       }
-  }
-
-  float* flat = &acc[0][0][0];
-  reduce_warps<kAcc>(reinterpret_cast<float(&)[kAcc]>(*flat), red, warp, lane);
-  if (warp == 0) {
-#pragma unroll
-    for (int h = 0; h < G; ++h)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) fin[h][g + 8 * (e >> 1)][nt * 8 + 2 * t + (e & 1)] = acc[h][nt][e];
-  }
-  __syncthreads();
-
-  // Epilogue: one thread a row, its 16 outputs in order (the sum of squares' order is fixed).
-  const int r = threadIdx.x;
-  if (r >= kRows || row0 + r >= p.m) return;
-  const int64_t row = row0 + r;
-  const float scale = p.nw != nullptr ? rstd[r] : 1.f;
-  const __nv_bfloat16* res = static_cast<const __nv_bfloat16*>(p.res);
-  uint32_t outw[8];
-  float ssum = 0.f;
-#pragma unroll
-  for (int f = 0; f < 16; f += 2) {
-    float y[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      float v = round_bf16(fin[0][f + i][r] * scale);
-      if constexpr (G == 2) {  // silu(gate) * up, each rounded to bf16 as the eager ops are
-        const float up = round_bf16(fin[1][f + i][r] * scale);
-        v = round_bf16(round_bf16(v / (1.f + __expf(-v))) * up);
-      }
-      if (res != nullptr) v = round_bf16(__bfloat162float(res[row * p.stride_r + tile * 16 + f + i]) + v);
-      y[i] = v;
-      ssum += v * v;
+    } else {
+      reduce_warps<kAcc>(reinterpret_cast<float(&)[kAcc]>(*flat), red, warp, lane);
     }
-    outw[f / 2] = pack_bf16(y[0], y[1]);
+    ++tiles_done;
+    if (warp == 0) {
+#pragma unroll
+      for (int h = 0; h < G; ++h)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) fin[h][g + 8 * (e >> 1)][nt * 8 + 2 * t + (e & 1)] = acc[h][nt][e];
+      __syncwarp();
+      // Epilogue: a row's 16 outputs in four quarters of 4 (lanes 4 r .. 4 r + 3 for the 8 rows of a block of 8;
+      // one lane a row, the quarters in turn, for wider blocks); each quarter's sum of squares in order, then
+      // (q0 + q1) + (q2 + q3): the same bits either way.
+      const __nv_bfloat16* res = static_cast<const __nv_bfloat16*>(p.res);
+      auto quarter = [&](int r, int f0, uint2& out) {  // outputs f0 .. f0 + 3 of block row r; their squares' sum
+        const int64_t row = row0 + r;
+        const float scale = p.nw != nullptr ? rstd[r] : 1.f;
+        float y[4];
+        float ssq = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float v = round_bf16(fin[0][f0 + i][r] * scale);
+          if constexpr (G == 2) {  // silu(gate) * up, each rounded to bf16 as the eager ops are
+            const float up = round_bf16(fin[1][f0 + i][r] * scale);
+            v = round_bf16(round_bf16(v / (1.f + __expf(-v))) * up);
+          }
+          if (res != nullptr) v = round_bf16(__bfloat162float(res[row * p.stride_r + tile * 16 + f0 + i]) + v);
+          y[i] = v;
+          ssq = fmaf(v, v, ssq);
+        }
+        out = make_uint2(pack_bf16(y[0], y[1]), pack_bf16(y[2], y[3]));
+        return ssq;
+      };
+      __nv_bfloat16* outp = static_cast<__nv_bfloat16*>(p.out);
+      if constexpr (NT == 1) {
+        const int r = lane >> 2, f0 = 4 * (lane & 3);
+        uint2 o = make_uint2(0, 0);
+        float ssq = r < mb ? quarter(r, f0, o) : 0.f;
+        ssq += __shfl_xor_sync(0xffffffffu, ssq, 1);
+        ssq += __shfl_xor_sync(0xffffffffu, ssq, 2);
+        if (r < mb) {
+          const int64_t row = row0 + r;
+          *reinterpret_cast<uint2*>(outp + row * p.stride_o + tile * 16 + f0) = o;
+          if (f0 == 0) p.ss_out[row * tiles_out + tile] = ssq;
+        }
+      } else {
+        const int r = lane;
+        if (r < mb) {
+          const int64_t row = row0 + r;
+          uint2 o[4];
+          float q[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) q[i] = quarter(r, 4 * i, o[i]);
+          uint2* dst = reinterpret_cast<uint2*>(outp + row * p.stride_o + tile * 16);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) dst[i] = o[i];
+          p.ss_out[row * tiles_out + tile] = (q[0] + q[1]) + (q[2] + q[3]);
+        }
+      }
+      __syncwarp();  // fin is read before the next tile's sums land there
+    }
   }
-  uint4* o = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.out) + row * p.stride_o + tile * 16);
-  o[0] = make_uint4(outw[0], outw[1], outw[2], outw[3]);
-  o[1] = make_uint4(outw[4], outw[5], outw[6], outw[7]);
-  p.ss_out[row * tiles_out + tile] = ssum;
+  copies_wait<0>();  // the empty groups past this warp's last chunk
 }
 
 // Four floats as e4m3 bytes (RN, saturating to +-448 as the reference's clamp), the first in the low byte.
@@ -412,11 +512,12 @@ __device__ __forceinline__ float half_f(uint16_t v, bool bf16) {
 // A thread's 16 bytes of weight row g (and g + 8) at values 16 t.. of a chunk are its A fragments for two k32
 // steps, x's row g the same values its B fragments: the reduction index permuted alike in A and B (as above),
 // with the weight as stored (row-major, which cuBLAS's FP8 GEMM reads for more rows).
+constexpr int kFp8Stages = 6;  // 48 KB of ring (32 bytes a thread and stage): four CTAs an SM
+
 template <bool S>
 __global__ void __launch_bounds__(kThreads) fp8_linear_kernel(Fp8LinearParams p) {
   constexpr int NT = 1;  // n-tiles of 8 rows: kFp8MaxRows rows, cuBLAS's FP8 GEMM past them
   constexpr int kAcc = NT * 4;
-  constexpr int kU = 4;
   constexpr int kRows = 8 * NT;
   __shared__ float red[4 * kAcc * 32];
   __shared__ float fin[16][kRows + 1];
@@ -425,24 +526,32 @@ __global__ void __launch_bounds__(kThreads) fp8_linear_kernel(Fp8LinearParams p)
   extern __shared__ uint4 staged[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int f0 = blockIdx.y * 16;
+  const int tiles = p.n / 16;
   const int chunks = p.k / 64;
   const int sk = p.k + 16;  // staged row stride (bytes)
   const uint8_t* w = static_cast<const uint8_t*>(p.w);
   const uint16_t* x = static_cast<const uint16_t*>(p.x);
-  const uint8_t* w_lo = w + static_cast<int64_t>(f0 + g) * p.k + 16 * t;
-  const uint8_t* w_hi = w_lo + 8 * static_cast<int64_t>(p.k);
-  uint4 lo[kU], hi[kU];
-  auto load = [&](int c0) {
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int c = c0 + u * kWarps;
-      lo[u] = c < chunks ? load_stream(w_lo + c * 64) : make_uint4(0, 0, 0, 0);
-      hi[u] = c < chunks ? load_stream(w_hi + c * 64) : make_uint4(0, 0, 0, 0);
+  // The weights' ring (as the packed kernel's, persistent as it is): per stage and thread the 16 bytes of row g
+  // and of row g + 8 of the next chunk of this warp's stream over the CTA's tiles.
+  uint4* ring = staged;
+  int is_tile = blockIdx.y, is_c = warp, wr = 0;
+  auto issue_next = [&]() {
+    if (is_tile < tiles && is_c < chunks) {
+      const uint8_t* lo = w + static_cast<int64_t>(is_tile * 16 + g) * p.k + 16 * t + is_c * 64;
+      copy_async16(ring + (2 * wr) * kThreads + threadIdx.x, lo);
+      copy_async16(ring + (2 * wr + 1) * kThreads + threadIdx.x, lo + 8 * static_cast<int64_t>(p.k));
+      is_c += kWarps;
+      if (is_c >= chunks) {
+        is_c = warp;
+        is_tile += gridDim.y;
+      }
     }
+    copies_commit();
+    wr = wr + 1 == kFp8Stages ? 0 : wr + 1;
   };
   allow_dependents();
-  load(warp);  // in flight while the rows' scales are found
+#pragma unroll
+  for (int i = 0; i < kFp8Stages - 1; ++i) issue_next();  // in flight while the rows' scales are found
   wait_for_inputs();
   for (int r = 0; r < kRows; ++r) {  // every thread 8 values at a time; max is exact in any order
     float a = 0.f;
@@ -483,7 +592,7 @@ __global__ void __launch_bounds__(kThreads) fp8_linear_kernel(Fp8LinearParams p)
                            half_f(h1[4 * i + 2], p.bf16) / s, half_f(h1[4 * i + 3], p.bf16) / s);
     }
   };
-  uint8_t* xq = reinterpret_cast<uint8_t*>(staged);
+  uint8_t* xq = reinterpret_cast<uint8_t*>(staged + 2 * kFp8Stages * kThreads);  // after the ring
   if constexpr (S) {
     const int per_row = p.k / 16;
     for (int i = threadIdx.x; i < p.m * per_row; i += kThreads) {
@@ -494,56 +603,53 @@ __global__ void __launch_bounds__(kThreads) fp8_linear_kernel(Fp8LinearParams p)
     }
     __syncthreads();
   }
-  float acc[NT][4] = {};
-  for (int c0 = warp; c0 < chunks; c0 += kU * kWarps) {
-    if (c0 != warp) load(c0);
+  const int xr = min(g, p.m - 1);  // past the last row, that row again (its MMA column is never written out)
+  int rd = 0;
+  for (int tile = blockIdx.y; tile < tiles; tile += gridDim.y) {
+    float acc[NT][4] = {};
+    for (int c = warp; c < chunks; c += kWarps) {
+      issue_next();
+      copies_wait<kFp8Stages - 1>();
+      const uint4 lo = ring[(2 * rd) * kThreads + threadIdx.x], hi = ring[(2 * rd + 1) * kThreads + threadIdx.x];
+      rd = rd + 1 == kFp8Stages ? 0 : rd + 1;
+      uint32_t b[4];
+      if constexpr (S) {
+        const uint4 v = *reinterpret_cast<const uint4*>(xq + xr * sk + c * 64 + 16 * t);
+        b[0] = v.x; b[1] = v.y; b[2] = v.z; b[3] = v.w;
+      } else {
+        quantize16(xr, c * 64 + 16 * t, b);
+      }
+      mma_fp8(acc[0], lo.x, hi.x, lo.y, hi.y, b[0], b[1]);
+      mma_fp8(acc[0], lo.z, hi.z, lo.w, hi.w, b[2], b[3]);
+    }
+    float* flat = &acc[0][0];
+    reduce_warps<kAcc>(reinterpret_cast<float(&)[kAcc]>(*flat), red, warp, lane);
+    if (warp == 0) {
 #pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int c = c0 + u * kWarps;
-      if (c >= chunks) break;
+      for (int e = 0; e < 4; ++e) fin[g + 8 * (e >> 1)][2 * t + (e & 1)] = acc[0][e];
+      __syncwarp();
+      const int r = lane, f0 = tile * 16;
+      if (r < p.m) {
+        const float xs = xscale[r];
+        uint32_t outw[8];
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const int row = nt * 8 + g;
-        uint32_t b[4] = {0, 0, 0, 0};
-        if (row < p.m) {
-          if constexpr (S) {
-            const uint4 v = *reinterpret_cast<const uint4*>(xq + row * sk + c * 64 + 16 * t);
-            b[0] = v.x; b[1] = v.y; b[2] = v.z; b[3] = v.w;
+        for (int f = 0; f < 16; f += 2) {
+          const float y0 = fin[f][r] * (xs * p.ws[f0 + f]), y1 = fin[f + 1][r] * (xs * p.ws[f0 + f + 1]);
+          if (p.bf16) {
+            outw[f / 2] = pack_bf16(y0, y1);
           } else {
-            quantize16(row, c * 64 + 16 * t, b);
+            __half2 hv = __floats2half2_rn(y0, y1);
+            outw[f / 2] = *reinterpret_cast<uint32_t*>(&hv);
           }
         }
-        mma_fp8(acc[nt], lo[u].x, hi[u].x, lo[u].y, hi[u].y, b[0], b[1]);
-        mma_fp8(acc[nt], lo[u].z, hi[u].z, lo[u].w, hi[u].w, b[2], b[3]);
+        uint4* o = reinterpret_cast<uint4*>(static_cast<uint16_t*>(p.out) + r * p.stride_o + f0);
+        o[0] = make_uint4(outw[0], outw[1], outw[2], outw[3]);
+        o[1] = make_uint4(outw[4], outw[5], outw[6], outw[7]);
       }
+      __syncwarp();
     }
   }
-  float* flat = &acc[0][0];
-  reduce_warps<kAcc>(reinterpret_cast<float(&)[kAcc]>(*flat), red, warp, lane);
-  if (warp == 0) {
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) fin[g + 8 * (e >> 1)][nt * 8 + 2 * t + (e & 1)] = acc[nt][e];
-  }
-  __syncthreads();
-  const int r = threadIdx.x;
-  if (r >= p.m) return;
-  const float xs = xscale[r];
-  uint32_t outw[8];
-#pragma unroll
-  for (int f = 0; f < 16; f += 2) {
-    const float y0 = fin[f][r] * (xs * p.ws[f0 + f]), y1 = fin[f + 1][r] * (xs * p.ws[f0 + f + 1]);
-    if (p.bf16) {
-      outw[f / 2] = pack_bf16(y0, y1);
-    } else {
-      __half2 hv = __floats2half2_rn(y0, y1);
-      outw[f / 2] = *reinterpret_cast<uint32_t*>(&hv);
-    }
-  }
-  uint4* o = reinterpret_cast<uint4*>(static_cast<uint16_t*>(p.out) + r * p.stride_o + f0);
-  o[0] = make_uint4(outw[0], outw[1], outw[2], outw[3]);
-  o[1] = make_uint4(outw[4], outw[5], outw[6], outw[7]);
+  copies_wait<0>();
 }
 
 // One thread per 16-byte word of the tile order: its values dequantized in fp32 (s * q, + m), one rounding.
@@ -597,7 +703,6 @@ __global__ void unpack_kernel(UnpackParams p) {
 // Launch with programmatic stream serialization allowed (sm_90+: see allow_dependents), else plainly.
 template <typename Kernel, typename Params>
 void launch_overlapped(Kernel kernel, dim3 grid, size_t smem, cudaStream_t stream, const Params& p) {
-  if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kStageBytes);
   int device = 0, major = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
@@ -614,21 +719,44 @@ void launch_overlapped(Kernel kernel, dim3 grid, size_t smem, cudaStream_t strea
   cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
+// The persistent grid: as many CTAs as fit at once (occupancy hides the MMA chains' latency; fewer CTAs an SM
+// for a fuller last round measured slower), then no more than the last round of tiles needs.
+inline unsigned persistent_ctas(const void* kernel, size_t smem, int tiles, int row_blocks) {
+  int device = 0, sms = 0, fit = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, kThreads, smem);
+  const int slots = fit * sms / row_blocks > 1 ? fit * sms / row_blocks : 1;
+  const int rounds = (tiles + slots - 1) / slots;
+  return static_cast<unsigned>((tiles + rounds - 1) / rounds);
+}
+
 template <int L, int NT, int GS, int G, bool S>
 void launch_kernel(const PackedLinearParams& p, size_t smem, cudaStream_t stream) {
-  launch_overlapped(packed_linear_kernel<L, NT, GS, G, S>, dim3((p.m + 8 * NT - 1) / (8 * NT), p.n_out / 16), smem,
-                    stream, p);
+  auto kernel = packed_linear_kernel<L, NT, GS, G, S>;
+  // Static and dynamic shared memory past 48 KB need the opt-in (its default is 48 KB less the static part).
+  if (smem > 0) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  const int row_blocks = (p.m + 8 * NT - 1) / (8 * NT);
+  const unsigned ctas = persistent_ctas(reinterpret_cast<const void*>(kernel), smem, p.n_out / 16, row_blocks);
+  launch_overlapped(kernel, dim3(row_blocks, ctas), smem, stream, p);
+}
+
+// Dynamic shared memory: the ring, then (staged) x's rows and, for int4, their sums over each scale period.
+template <int L, int NT, int GS, int G>
+void launch_glu(const PackedLinearParams& p, cudaStream_t stream) {
+  const size_t rows = static_cast<size_t>(p.m < 8 * NT ? p.m : 8 * NT);
+  const size_t stage = rows * (p.k + 8) * 2;
+  const size_t sums = L != kQ8sMma ? rows * (p.k / (16 * GS)) * 4 : 0;
+  const size_t ring = Ring<L, GS, G>::kBytes;
+  if (stage <= kStageBytes)
+    launch_kernel<L, NT, GS, G, true>(p, ring + stage + sums, stream);
+  else
+    launch_kernel<L, NT, GS, G, false>(p, ring, stream);
 }
 
 template <int L, int NT, int GS>
 int launch_rows(const PackedLinearParams& p, cudaStream_t stream) {
-  const size_t smem = static_cast<size_t>(p.m < 8 * NT ? p.m : 8 * NT) * (p.k + 8) * 2;
-  const bool staged = smem <= kStageBytes;
-  if (p.glu) {
-    if (staged) launch_kernel<L, NT, GS, 2, true>(p, smem, stream); else launch_kernel<L, NT, GS, 2, false>(p, 0, stream);
-  } else {
-    if (staged) launch_kernel<L, NT, GS, 1, true>(p, smem, stream); else launch_kernel<L, NT, GS, 1, false>(p, 0, stream);
-  }
+  if (p.glu) launch_glu<L, NT, GS, 2>(p, stream); else launch_glu<L, NT, GS, 1>(p, stream);
   return 0;
 }
 
@@ -671,13 +799,14 @@ int packed_linear_launch(const PackedLinearParams& p, cudaStream_t stream) {
 int fp8_linear_launch(const Fp8LinearParams& p, cudaStream_t stream) {
   if (!fp8_linear_supported(p.n, p.k) || p.m > kFp8MaxRows) return -1;
   if (p.m == 0) return 0;
-  const dim3 grid(1, p.n / 16);
-  const size_t smem = static_cast<size_t>(p.m) * (p.k + 16);
-  const bool staged = smem <= kStageBytes;
-  if (staged)
-    launch_overlapped(fp8_linear_kernel<true>, grid, smem, stream, p);
-  else
-    launch_overlapped(fp8_linear_kernel<false>, grid, 0, stream, p);
+  const size_t stage = static_cast<size_t>(p.m) * (p.k + 16);
+  const size_t ring = 2 * kFp8Stages * kThreads * 16;
+  const bool staged = stage <= kStageBytes;
+  auto kernel = staged ? fp8_linear_kernel<true> : fp8_linear_kernel<false>;
+  const size_t smem = staged ? ring + stage : ring;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  const dim3 grid(1, persistent_ctas(reinterpret_cast<const void*>(kernel), smem, p.n / 16, 1));
+  launch_overlapped(kernel, grid, smem, stream, p);
   return static_cast<int>(cudaGetLastError());
 }
 
