@@ -91,9 +91,11 @@ __device__ __forceinline__ uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
 // warp keeps several chunks on the way while it multiplies an earlier one; a register double buffer kept one
 // chunk's worth a warp in flight and read int4 weights at ~1.6 TB/s on the H200). Each thread copies exactly the
 // bytes it reads back, so waiting for its own copies is all the synchronization a slot needs.
+__device__ __forceinline__ void copy_async16(uint32_t dst, const void* src) {  // dst: a shared-memory address
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
 __device__ __forceinline__ void copy_async16(void* dst, const void* src) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+  copy_async16(static_cast<uint32_t>(__cvta_generic_to_shared(dst)), src);
 }
 __device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
@@ -163,30 +165,33 @@ __device__ __forceinline__ uint4 times_norm(uint4 v, const __nv_bfloat16* nw, in
   return v;
 }
 
-// A packed kernel's ring, per stage: each thread's G weight words (16 bytes) and each warp's scale rows (the 16
-// scales, and mins, of the chunk's tile and scale periods: 64 bytes each, copied by a few lanes, 16 bytes a lane);
-// as many stages as fit kRingBytes (2 to 8). 36 KB: 8 stages of one q4z weight (7 chunks a warp in flight), 3 or 4 of a
-// fused gate/up weight, and four CTAs an SM with a row of x each.
+// A packed kernel's stage: a pair of a warp's chunks (2 p and 2 p + 1: 1 KB of a tile's int4 weights, read as
+// one piece), so that the bookkeeping of a copy, a wait and the scales is paid once for 128 int4 values (64 int8)
+// and a g128 group's scale is applied once. Per stage: each thread's 2 G weight words (16 bytes each) and each
+// warp's scale rows (the 16 scales, and mins, of the pair's tile and scale periods: 64 bytes each, copied 16
+// bytes a lane); as many stages as fit kRingBytes (2 to 8). 36 KB: 4 stages of a q4z weight (3 pairs a warp in
+// flight), 2 of a fused gate/up one, and four CTAs an SM with a row of x each.
 constexpr int kRingBytes = 36 * 1024;
 template <int L, int GS, int G>
 struct Ring {
-  static constexpr int kCh = L == kQ8sMma ? 32 : 64;
-  static constexpr int kP = kCh / 16 / GS;                             // scale periods a chunk
+  static constexpr int kCh = L == kQ8sMma ? 32 : 64;                   // values a chunk of the tile order
+  static constexpr int kStageSteps = 2 * kCh / 16;                     // MMA steps a stage
+  static constexpr int kP = kStageSteps / GS;                          // scale periods a stage
   static constexpr int kScaleRows = L == kQ4aMma ? 2 : 1;              // scales (and mins)
-  static constexpr int kScaleLanes = G * kP * kScaleRows * 4;          // lanes copying them (<= 32)
-  static constexpr int kPerStage = kThreads * 16 * G + kWarps * kScaleLanes * 16;
+  static constexpr int kScaleCopies = G * kP * kScaleRows * 4;         // 16-byte copies a stage and warp
+  static constexpr int kPerStage = kThreads * 32 * G + kWarps * kScaleCopies * 16;
   static constexpr int kFit = kRingBytes / kPerStage;
   static constexpr int kStages = kFit > 8 ? 8 : kFit < 2 ? 2 : kFit;
   static constexpr int kBytes = kStages * kPerStage;
-  static_assert(kScaleLanes <= 32, "one 16-byte scale copy a lane and chunk");
+  static_assert(kScaleCopies <= 64, "at most two 16-byte scale copies a lane and stage");
 };
 
-// L: layout; NT: 8-row n-tiles per CTA; GS: MMA steps per scale (a group's share of a chunk); G: 2 with a
+// L: layout; NT: 8-row n-tiles per CTA; GS: MMA steps per scale (a group's share of a stage); G: 2 with a
 // fused gate/up weight; S: x staged in shared memory (dynamic, after the ring; rows K + 8 values apart: no bank
 // conflicts), and for int4 each row's sums over each scale period computed there once.
 //
 // Persistent: a CTA takes tiles blockIdx.y, + gridDim.y, ... (the launch sizes the grid to the CTAs that fit at
-// once), so x is staged, the norm's 1 / rms found and the ring filled once a CTA, not once a tile; a warp's chunk
+// once), so x is staged, the norm's 1 / rms found and the ring filled once a CTA, not once a tile; a warp's stage
 // stream runs on across its CTA's tiles, so the ring never drains between them.
 //
 // int4 values enter the MMA as the exact bf16 integers 128 + q (one LOP3 a pair, no bias subtraction): the
@@ -196,14 +201,14 @@ template <int L, int NT, int GS, int G, bool S>
 __global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : 2) packed_linear_kernel(PackedLinearParams p) {
   using R = Ring<L, GS, G>;
   constexpr int kCh = R::kCh;
-  constexpr int kSteps = kCh / 16;
+  constexpr int kSteps = kCh / 16;  // a chunk's
   constexpr bool kAffine = L == kQ4aMma;
   constexpr bool kInt4 = L != kQ8sMma;
   constexpr float kBias = L == kQ4zMma ? 136.f : 128.f;
   constexpr int kRows = 8 * NT;
   constexpr int kP = R::kP;
   constexpr int kSR = R::kScaleRows;
-  constexpr int kSL = R::kScaleLanes;
+  constexpr int kSC = R::kScaleCopies;
   constexpr int kStages = R::kStages;
   constexpr int kAcc = G * NT * 4;
   extern __shared__ uint4 dyn[];
@@ -218,41 +223,56 @@ __global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : 2) packed_linear_kerne
   const int tiles_out = p.n_out / 16;
   int tiles_done = 0;
   const int chunks = p.k / kCh;
+  const int pairs = (chunks + 1) / 2;           // stages a tile (the last one half when chunks is odd)
   const int groups = p.k / p.group;
   const int periods = p.k / (16 * GS);          // scale periods a row
   const int group_shift = 31 - __clz(p.group);  // groups are powers of two: no division in the loop
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(p.x);
   const uint4* w = static_cast<const uint4*>(p.w);
 
-  // The ring: stage-major; weights by thread (a warp's 32 threads side by side: no bank conflicts), then the
-  // scale rows by warp. Lane l < kSL copies 16 bytes: scale row u = l / 4 ((h, period, scale or min)), part l % 4.
+  // The ring: stage-major; weights by (h, half, thread) (a warp's 32 threads side by side: no bank conflicts),
+  // then the scale rows by warp. Copy u (lanes u and u - 32) of a stage's scales: row u / 4 = (h, period, scale or
+  // min), part u % 4.
   uint4* ring_w = dyn;
-  float* ring_s = reinterpret_cast<float*>(dyn + kStages * G * kThreads);
-  const int su = lane >> 2, spart = lane & 3;
-  const int s_which = su % kSR, s_pp = (su / kSR) % kP, s_h = su / (kSR * kP);
-  const float* s_src = (kAffine && s_which ? p.mn : p.s) + 4 * spart;
-  // The next chunk this warp copies: (tile, chunk), advanced chunk by chunk over this CTA's tiles, with its
-  // sources (a chunk 8 on: the weights 8 x 512 bytes on, the scales 8 chunks' groups on).
-  const int q0 = (warp * kCh + s_pp * GS * 16) >> group_shift;
-  const int s_step = ((kWarps * kCh) >> group_shift) * 16;
-  const int64_t w_up = static_cast<int64_t>(tiles_out) * chunks * 32;  // gate -> up tile
-  int is_tile = blockIdx.y, is_c = warp;
-  const uint4* w_next = w + (static_cast<int64_t>(is_tile) * chunks + warp) * 32 + lane;
-  const float* s_next = s_src + ((static_cast<int64_t>(is_tile) + s_h * tiles_out) * groups + q0) * 16;
-  int wr = 0;
-  auto issue_next = [&]() {
-    if (is_tile < tiles_out && is_c < chunks) {
+  float* ring_s = reinterpret_cast<float*>(dyn + kStages * 2 * G * kThreads);
+  const uint32_t ring_w_at = static_cast<uint32_t>(__cvta_generic_to_shared(ring_w)) + 16 * threadIdx.x;
+  const uint32_t ring_s_at = static_cast<uint32_t>(__cvta_generic_to_shared(ring_s)) + 16 * (warp * kSC + lane);
+  constexpr int kCopies = kSC > 32 ? 2 : 1;  // scale copies a lane
+  const float* s_src[kCopies];
+  int s_off[kCopies];                         // (h tile offset, period) part of the source offset, in floats
+  int s_k[kCopies];                           // the period's first value in the stage
+  bool s_on[kCopies];
 #pragma unroll
-      for (int h = 0; h < G; ++h) copy_async16(ring_w + (wr * G + h) * kThreads + threadIdx.x, w_next + h * w_up);
-      if (lane < kSL) copy_async16(ring_s + ((wr * kWarps + warp) * kSL + lane) * 4, s_next);
-      is_c += kWarps;
-      w_next += kWarps * 32;
-      s_next += s_step;
-      if (is_c >= chunks) {
-        is_c = warp;
+  for (int i = 0; i < kCopies; ++i) {
+    const int u = lane + 32 * i;
+    const int su = u >> 2, which = su % kSR, pp = (su / kSR) % kP, h = su / (kSR * kP);
+    s_on[i] = u < kSC;
+    s_k[i] = pp * GS * 16;
+    s_src[i] = (kAffine && which ? p.mn : p.s) + 4 * (u & 3);
+    s_off[i] = h * tiles_out * groups * 16 + (((pp * GS * 16) >> group_shift) << 4);
+  }
+  // The next stage this warp copies: (tile, pair), advanced over this CTA's tiles.
+  int is_tile = blockIdx.y, is_p = warp, wr = 0;
+  auto issue_next = [&]() {
+    if (is_tile < tiles_out && is_p < pairs) {
+      const int c = 2 * is_p;
+      const bool second = c + 1 < chunks;
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        const uint4* src = w + ((static_cast<int64_t>(is_tile) + h * tiles_out) * chunks + c) * 32 + lane;
+        const uint32_t dst = ring_w_at + (wr * 2 * G + 2 * h) * kThreads * 16;
+        copy_async16(dst, src);
+        if (second) copy_async16(dst + kThreads * 16, src + 32);
+      }
+      const int s_base = (is_tile * groups + ((c * kCh) >> group_shift)) * 16;
+#pragma unroll
+      for (int i = 0; i < kCopies; ++i)
+        if (s_on[i] && c * kCh + s_k[i] < p.k)  // not the missing half's periods of a tile's odd last chunk
+          copy_async16(ring_s_at + (wr * kWarps * kSC + 32 * i) * 16, s_src[i] + s_base + s_off[i]);
+      is_p += kWarps;
+      if (is_p >= pairs) {
+        is_p = warp;
         is_tile += gridDim.y;
-        w_next = w + (static_cast<int64_t>(is_tile) * chunks + warp) * 32 + lane;
-        s_next = s_src + ((static_cast<int64_t>(is_tile) + s_h * tiles_out) * groups + q0) * 16;
       }
     }
     copies_commit();
@@ -278,6 +298,33 @@ __global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : 2) packed_linear_kerne
       if (p.nw != nullptr) v = times_norm(v, static_cast<const __nv_bfloat16*>(p.nw), k8);
       *reinterpret_cast<uint4*>(st + r * sk + k8) = v;
     }
+    if constexpr (kInt4) {
+      // x's sum over each scale period of each row, read from global memory beside the staging (no barrier
+      // between them), in the order the loop below adds it when x is not staged (per thread of a quad (x0 + x1)
+      // + (x2 + x3) a step, the steps in turn, then the quad's four (s0 + s1) + (s2 + s3)): the same bits.
+      for (int i = threadIdx.x; i < mb * periods; i += kThreads) {
+        const int r = i / periods, k0 = (i - r * periods) * 16 * GS;
+        const __nv_bfloat16* xr = x + (row0 + r) * p.stride_x;
+        float q[4];
+#pragma unroll
+        for (int tt = 0; tt < 4; ++tt) {
+          float s = 0.f;
+#pragma unroll
+          for (int j = 0; j < GS; ++j) {
+            const int k = k0 + 16 * j + 4 * tt;
+            uint2 v = *reinterpret_cast<const uint2*>(xr + k);
+            if (p.nw != nullptr) {
+              const uint2 nv = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.nw) + k);
+              v.x = pack_bf16(lo_f(v.x) * lo_f(nv.x), hi_f(v.x) * hi_f(nv.x));
+              v.y = pack_bf16(lo_f(v.y) * lo_f(nv.y), hi_f(v.y) * hi_f(nv.y));
+            }
+            s += (lo_f(v.x) + hi_f(v.x)) + (lo_f(v.y) + hi_f(v.y));
+          }
+          q[tt] = s;
+        }
+        xsum[i] = (q[0] + q[1]) + (q[2] + q[3]);
+      }
+    }
   }
   if (p.nw != nullptr) {  // each row's 1 / rms from the partial sums of squares: one warp a row, a fixed order
     for (int r = warp; r < kRows; r += kWarps) {
@@ -292,116 +339,108 @@ __global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : 2) packed_linear_kerne
   }
   const __nv_bfloat16* nw = S ? nullptr : static_cast<const __nv_bfloat16*>(p.nw);  // staged: applied already
   __syncthreads();
-  if constexpr (S && kInt4) {
-    // x's sum over each scale period of each row, in the order the loop below adds it when x is not staged
-    // (per thread of a quad (x0 + x1) + (x2 + x3) a step, the steps in turn, then the quad's four (s0 + s1) +
-    // (s2 + s3)): the same bits either way.
-    for (int i = threadIdx.x; i < mb * periods; i += kThreads) {
-      const int r = i / periods, k0 = (i - r * periods) * 16 * GS;
-      float q[4];
-#pragma unroll
-      for (int tt = 0; tt < 4; ++tt) {
-        float s = 0.f;
-#pragma unroll
-        for (int j = 0; j < GS; ++j) {
-          const uint2 v = *reinterpret_cast<const uint2*>(xs_smem + r * sk + k0 + 16 * j + 4 * tt);
-          s += (lo_f(v.x) + hi_f(v.x)) + (lo_f(v.y) + hi_f(v.y));
-        }
-        q[tt] = s;
-      }
-      xsum[i] = (q[0] + q[1]) + (q[2] + q[3]);
-    }
-    __syncthreads();
-  }
 
   // The rows this thread's B fragments read: past the block's last row, that row again (those MMA columns
   // are never written out; a column's sums depend on its own row only), so the loads need no branch.
   int xrow[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) xrow[nt] = min(nt * 8 + g, mb - 1);
+  int xr0[NT], xr1[NT];  // the rows of the sums this thread's accumulator columns 2 t and 2 t + 1 take
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    xr0[nt] = min(nt * 8 + 2 * t, mb - 1) * periods;
+    xr1[nt] = min(nt * 8 + 2 * t + 1, mb - 1) * periods;
+  }
   int rd = 0;
   for (int tile = blockIdx.y; tile < tiles_out; tile += gridDim.y) {
     float acc[G][NT][4] = {};
-    for (int c = warp; c < chunks; c += kWarps) {
+    for (int pr = warp; pr < pairs; pr += kWarps) {
       __syncwarp();  // every lane has read the stage the next copy overwrites (the scale rows are shared)
       issue_next();
-      copies_wait<kStages - 1>();  // this chunk's copies (this thread's) are in,
+      copies_wait<kStages - 1>();  // this stage's copies (this thread's) are in,
       __syncwarp();                // and the other lanes' scale rows too
-      uint4 wv[G];
-#pragma unroll
-      for (int h = 0; h < G; ++h) wv[h] = ring_w[(rd * G + h) * kThreads + threadIdx.x];
-      const float* sr = ring_s + (rd * kWarps + warp) * kSL * 4;
+      const bool second = 2 * pr + 1 < chunks;
+      const uint4* wsrc = ring_w + rd * 2 * G * kThreads + threadIdx.x;
+      const float* sr = ring_s + (rd * kWarps + warp) * kSC * 4;
       rd = rd + 1 == kStages ? 0 : rd + 1;
       float tmp[G][NT][4] = {};
       float xs[NT] = {};
 #pragma unroll
-      for (int j = 0; j < kSteps; ++j) {
-        const int k = c * kCh + 16 * j + 4 * t;
-        uint32_t b[NT][2];
-        uint2 nv = make_uint2(0, 0);
-        if (nw != nullptr) nv = *reinterpret_cast<const uint2*>(nw + k);
+      for (int half = 0; half < 2; ++half) {
+        if (half == 1 && !second) break;
+        const int c = 2 * pr + half;
+        uint4 wv[G];
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          uint2 v = S ? *reinterpret_cast<const uint2*>(xs_smem + xrow[nt] * sk + k)
-                      : *reinterpret_cast<const uint2*>(x + (row0 + xrow[nt]) * p.stride_x + k);
-          if (nw != nullptr) {  // the norm's weight, one rounding, as the eager x * w
-            v.x = pack_bf16(lo_f(v.x) * lo_f(nv.x), hi_f(v.x) * hi_f(nv.x));
-            v.y = pack_bf16(lo_f(v.y) * lo_f(nv.y), hi_f(v.y) * hi_f(nv.y));
-          }
-          b[nt][0] = v.x;
-          b[nt][1] = v.y;
-          if constexpr (kInt4 && !S) xs[nt] += (lo_f(v.x) + hi_f(v.x)) + (lo_f(v.y) + hi_f(v.y));
-        }
+        for (int h = 0; h < G; ++h) wv[h] = wsrc[(2 * h + half) * kThreads];
 #pragma unroll
-        for (int h = 0; h < G; ++h) {
-          uint32_t a[4];
-          dequant_step<L>(wv[h], j, a);
+        for (int j = 0; j < kSteps; ++j) {
+          const int js = half * kSteps + j;  // the stage's step
+          const int k = c * kCh + 16 * j + 4 * t;
+          uint32_t b[NT][2];
+          uint2 nv = make_uint2(0, 0);
+          if (nw != nullptr) nv = *reinterpret_cast<const uint2*>(nw + k);
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) mma_bf16(tmp[h][nt], a, b[nt][0], b[nt][1]);
-        }
-        if ((j + 1) % GS == 0) {  // the group's scale (and min) on its sums
-          const int period = (j + 1) / GS - 1;
-          float xc0[NT], xc1[NT];
-          if constexpr (kInt4) {  // x's sum over the period's values, for the columns this thread holds
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              if constexpr (S) {
-                const int r0 = min(nt * 8 + 2 * t, mb - 1), r1 = min(nt * 8 + 2 * t + 1, mb - 1);
-                const int pi = c * kP + period;
-                xc0[nt] = xsum[r0 * periods + pi];
-                xc1[nt] = xsum[r1 * periods + pi];
-              } else {
-                float s = xs[nt];
-                s += __shfl_xor_sync(0xffffffffu, s, 1);
-                s += __shfl_xor_sync(0xffffffffu, s, 2);
-                xc0[nt] = __shfl_sync(0xffffffffu, s, 8 * t);
-                xc1[nt] = __shfl_sync(0xffffffffu, s, 8 * t + 4);
-                xs[nt] = 0.f;
-              }
+          for (int nt = 0; nt < NT; ++nt) {
+            uint2 v = S ? *reinterpret_cast<const uint2*>(xs_smem + xrow[nt] * sk + k)
+                        : *reinterpret_cast<const uint2*>(x + (row0 + xrow[nt]) * p.stride_x + k);
+            if (nw != nullptr) {  // the norm's weight, one rounding, as the eager x * w
+              v.x = pack_bf16(lo_f(v.x) * lo_f(nv.x), hi_f(v.x) * hi_f(nv.x));
+              v.y = pack_bf16(lo_f(v.y) * lo_f(nv.y), hi_f(v.y) * hi_f(nv.y));
             }
+            b[nt][0] = v.x;
+            b[nt][1] = v.y;
+            if constexpr (kInt4 && !S) xs[nt] += (lo_f(v.x) + hi_f(v.x)) + (lo_f(v.y) + hi_f(v.y));
           }
 #pragma unroll
           for (int h = 0; h < G; ++h) {
-            const float* sc = sr + (h * kP + period) * kSR * 16;
-            const float s0 = sc[g], s1 = sc[g + 8];
-            // q4a: s (128 + q) + (m - 128 s) = s q + m; q4z: s (128 + q - 136)
-            const float m0 = kAffine ? fmaf(-kBias, s0, sc[16 + g]) : -kBias * s0;
-            const float m1 = kAffine ? fmaf(-kBias, s1, sc[16 + g + 8]) : -kBias * s1;
+            uint32_t a[4];
+            dequant_step<L>(wv[h], j, a);
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              float* d = acc[h][nt];
-              float* e = tmp[h][nt];
-              d[0] = fmaf(s0, e[0], d[0]);
-              d[1] = fmaf(s0, e[1], d[1]);
-              d[2] = fmaf(s1, e[2], d[2]);
-              d[3] = fmaf(s1, e[3], d[3]);
-              if constexpr (kInt4) {
-                d[0] = fmaf(m0, xc0[nt], d[0]);
-                d[1] = fmaf(m0, xc1[nt], d[1]);
-                d[2] = fmaf(m1, xc0[nt], d[2]);
-                d[3] = fmaf(m1, xc1[nt], d[3]);
+            for (int nt = 0; nt < NT; ++nt) mma_bf16(tmp[h][nt], a, b[nt][0], b[nt][1]);
+          }
+          if ((js + 1) % GS == 0) {  // the group's scale (and min) on its sums
+            const int period = (js + 1) / GS - 1;
+            float xc0[NT], xc1[NT];
+            if constexpr (kInt4) {  // x's sum over the period's values, for the columns this thread holds
+#pragma unroll
+              for (int nt = 0; nt < NT; ++nt) {
+                if constexpr (S) {
+                  const int pi = pr * kP + period;
+                  xc0[nt] = xsum[xr0[nt] + pi];
+                  xc1[nt] = xsum[xr1[nt] + pi];
+                } else {
+                  float s = xs[nt];
+                  s += __shfl_xor_sync(0xffffffffu, s, 1);
+                  s += __shfl_xor_sync(0xffffffffu, s, 2);
+                  xc0[nt] = __shfl_sync(0xffffffffu, s, 8 * t);
+                  xc1[nt] = __shfl_sync(0xffffffffu, s, 8 * t + 4);
+                  xs[nt] = 0.f;
+                }
               }
-              e[0] = e[1] = e[2] = e[3] = 0.f;
+            }
+#pragma unroll
+            for (int h = 0; h < G; ++h) {
+              const float* sc = sr + (h * kP + period) * kSR * 16;
+              const float s0 = sc[g], s1 = sc[g + 8];
+              // q4a: s (128 + q) + (m - 128 s) = s q + m; q4z: s (128 + q - 136)
+              const float m0 = kAffine ? fmaf(-kBias, s0, sc[16 + g]) : -kBias * s0;
+              const float m1 = kAffine ? fmaf(-kBias, s1, sc[16 + g + 8]) : -kBias * s1;
+#pragma unroll
+              for (int nt = 0; nt < NT; ++nt) {
+                float* d = acc[h][nt];
+                float* e = tmp[h][nt];
+                d[0] = fmaf(s0, e[0], d[0]);
+                d[1] = fmaf(s0, e[1], d[1]);
+                d[2] = fmaf(s1, e[2], d[2]);
+                d[3] = fmaf(s1, e[3], d[3]);
+                if constexpr (kInt4) {
+                  d[0] = fmaf(m0, xc0[nt], d[0]);
+                  d[1] = fmaf(m0, xc1[nt], d[1]);
+                  d[2] = fmaf(m1, xc0[nt], d[2]);
+                  d[3] = fmaf(m1, xc1[nt], d[3]);
+                }
+                e[0] = e[1] = e[2] = e[3] = 0.f;
+              }
             }
           }
         }
@@ -784,14 +823,19 @@ int packed_linear_launch(const PackedLinearParams& p, cudaStream_t stream) {
     return -1;
   if (p.m == 0) return 0;
   switch (p.layout) {
+    // GS: MMA steps a scale period, the group's share of a stage (8 steps of int4, 4 of int8)
     case kQ4zMma:
-      if (p.group == 32) launch_layout<kQ4zMma, 2>(p, stream); else launch_layout<kQ4zMma, 4>(p, stream);
+      if (p.group == 32) launch_layout<kQ4zMma, 2>(p, stream);
+      else if (p.group == 64) launch_layout<kQ4zMma, 4>(p, stream);
+      else launch_layout<kQ4zMma, 8>(p, stream);
       break;
     case kQ4aMma:
-      if (p.group == 32) launch_layout<kQ4aMma, 2>(p, stream); else launch_layout<kQ4aMma, 4>(p, stream);
+      if (p.group == 32) launch_layout<kQ4aMma, 2>(p, stream);
+      else if (p.group == 64) launch_layout<kQ4aMma, 4>(p, stream);
+      else launch_layout<kQ4aMma, 8>(p, stream);
       break;
     default:
-      launch_layout<kQ8sMma, 2>(p, stream);
+      if (p.group == 32) launch_layout<kQ8sMma, 2>(p, stream); else launch_layout<kQ8sMma, 4>(p, stream);
   }
   return static_cast<int>(cudaGetLastError());
 }
