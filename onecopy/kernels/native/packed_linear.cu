@@ -169,9 +169,14 @@ __device__ __forceinline__ uint4 times_norm(uint4 v, const __nv_bfloat16* nw, in
 // one piece), so that the bookkeeping of a copy, a wait and the scales is paid once for 128 int4 values (64 int8)
 // and a g128 group's scale is applied once. Per stage: each thread's 2 G weight words (16 bytes each) and each
 // warp's scale rows (the 16 scales, and mins, of the pair's tile and scale periods: 64 bytes each, copied 16
-// bytes a lane); as many stages as fit kRingBytes (2 to 8). 36 KB: 4 stages of a q4z weight (3 pairs a warp in
-// flight), 2 of a fused gate/up one, and four CTAs an SM with a row of x each.
-constexpr int kRingBytes = 36 * 1024;
+// bytes a lane); as many stages as fit kRingBytes (2 to 8). 54 KB: 6 stages of a one-weight CTA (5 pairs a warp
+// in flight), 3 of a fused gate/up one; three CTAs an SM with a row of x. H200, one row, q4a, ring of 36 / 54 / 72
+// / 100 KB (benchmarks/packed_linear_rings.sh): down 4096x14336 23.6 / 16.5 / 18.8 / 18.8 us, o 8.0 / 7.8 / 7.1 /
+// 7.1, gate/up 27.5 / 26.0 / 25.9 / 30.5, the LM head 94 at all four.
+#ifndef ONECOPY_RING_KB
+#define ONECOPY_RING_KB 54
+#endif
+constexpr int kRingBytes = ONECOPY_RING_KB * 1024;
 template <int L, int GS, int G>
 struct Ring {
   static constexpr int kCh = L == kQ8sMma ? 32 : 64;                   // values a chunk of the tile order
