@@ -182,6 +182,14 @@ std::tuple<at::Tensor, at::Tensor> packed_linear(const at::Tensor& x_in, const a
                   scales.scalar_type() == at::kFloat && scales.numel() == n * (k / group),
               "qweight [N, K / values per byte] and float32 scales [N, K / group] (contiguous) must match x's K");
   TORCH_CHECK((layout == onecopy_native::kQ4aMma) == mins.has_value(), "mins go with the q4a layout alone");
+  TORCH_CHECK(!mins.has_value() || (mins->is_contiguous() && mins->scalar_type() == at::kFloat &&
+                                    mins->numel() == scales.numel()),
+              "mins must be float32 and contiguous, shaped as the scales");
+  // the kernel copies weights, scales and mins 16 bytes at a time (cp.async)
+  const auto aligned16 = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
+  TORCH_CHECK(aligned16(qweight) && aligned16(scales) && (!mins.has_value() || aligned16(*mins)),
+              "packed_linear: qweight, scales and mins must start at 16-byte aligned addresses (a view into a larger "
+              "tensor may not): pass a copy (.clone())");
   const int64_t n_out = glu ? n / 2 : n;
   TORCH_CHECK(onecopy_native::packed_linear_supported(static_cast<int>(layout), static_cast<int>(group),
                                                       static_cast<int>(n), static_cast<int>(k)) && n_out % 16 == 0,

@@ -151,8 +151,8 @@ __device__ __forceinline__ void reduce_warps(float (&v)[N], float* red, int warp
 }
 
 // x's rows staged in shared memory (one coalesced read per CTA, the norm's weight applied once) when they take at
-// most this many bytes; wider blocks read their B fragments from global memory (L2) in the loop. Same values
-// either way: a row's bits do not depend on which.
+// most this many bytes and fit beside the ring (smem_fits); wider blocks read their B fragments from global memory
+// (L2) in the loop. Same values either way: a row's bits do not depend on which.
 constexpr int kStageBytes = 64 * 1024;
 
 // x times the norm's weight, each product rounded to bf16 as the eager x * w (8 values).
@@ -775,11 +775,31 @@ inline unsigned persistent_ctas(const void* kernel, size_t smem, int tiles, int 
   return static_cast<unsigned>((tiles + rounds - 1) / rounds);
 }
 
+// Whether a kernel with this much dynamic shared memory fits a block on this device (the opt-in limit: 227 KB on
+// Hopper, 163 KB on the A100, 99 KB on sm_86 / sm_89 / sm_120), its static shared memory counted.
+inline bool smem_fits(const void* kernel, size_t smem) {
+  int device = 0, optin = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  cudaFuncAttributes attr{};
+  cudaFuncGetAttributes(&attr, kernel);
+  return attr.sharedSizeBytes + smem <= static_cast<size_t>(optin);
+}
+
+// Static and dynamic shared memory past 48 KB need the opt-in (its default is 48 KB less the static part). The
+// limit is a property of the function, shared by every launch of it: only ever raised, so that a smaller launch
+// never lowers it under a larger one.
+inline void allow_smem(const void* kernel, size_t smem) {
+  cudaFuncAttributes attr{};
+  cudaFuncGetAttributes(&attr, kernel);
+  if (smem > static_cast<size_t>(attr.maxDynamicSharedSizeBytes))
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+}
+
 template <int L, int NT, int GS, int G, bool S>
 void launch_kernel(const PackedLinearParams& p, size_t smem, cudaStream_t stream) {
   auto kernel = packed_linear_kernel<L, NT, GS, G, S>;
-  // Static and dynamic shared memory past 48 KB need the opt-in (its default is 48 KB less the static part).
-  if (smem > 0) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  allow_smem(reinterpret_cast<const void*>(kernel), smem);
   const int row_blocks = (p.m + 8 * NT - 1) / (8 * NT);
   const unsigned ctas = persistent_ctas(reinterpret_cast<const void*>(kernel), smem, p.n_out / 16, row_blocks);
   launch_overlapped(kernel, dim3(row_blocks, ctas), smem, stream, p);
@@ -792,7 +812,8 @@ void launch_glu(const PackedLinearParams& p, cudaStream_t stream) {
   const size_t stage = rows * (p.k + 8) * 2;
   const size_t sums = L != kQ8sMma ? rows * (p.k / (16 * GS)) * 4 : 0;
   const size_t ring = Ring<L, GS, G>::kBytes;
-  if (stage <= kStageBytes)
+  if (stage <= kStageBytes &&
+      smem_fits(reinterpret_cast<const void*>(packed_linear_kernel<L, NT, GS, G, true>), ring + stage + sums))
     launch_kernel<L, NT, GS, G, true>(p, ring + stage + sums, stream);
   else
     launch_kernel<L, NT, GS, G, false>(p, ring, stream);
@@ -850,10 +871,11 @@ int fp8_linear_launch(const Fp8LinearParams& p, cudaStream_t stream) {
   if (p.m == 0) return 0;
   const size_t stage = static_cast<size_t>(p.m) * (p.k + 16);
   const size_t ring = 2 * kFp8Stages * kThreads * 16;
-  const bool staged = stage <= kStageBytes;
+  const bool staged =
+      stage <= kStageBytes && smem_fits(reinterpret_cast<const void*>(fp8_linear_kernel<true>), ring + stage);
   auto kernel = staged ? fp8_linear_kernel<true> : fp8_linear_kernel<false>;
   const size_t smem = staged ? ring + stage : ring;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  allow_smem(reinterpret_cast<const void*>(kernel), smem);
   const dim3 grid(1, persistent_ctas(reinterpret_cast<const void*>(kernel), smem, p.n / 16, 1));
   launch_overlapped(kernel, grid, smem, stream, p);
   return static_cast<int>(cudaGetLastError());
