@@ -103,6 +103,50 @@ def test_native_packed_linear_matches_float64_and_is_batch_invariant():
                     assert torch.equal(native.packed_linear(x[lo:hi], *op, glu=glu)[0], part[0]), (name, lo, hi)
 
 
+def test_native_packed_linear_rows_stay_independent_with_folds_and_many_tiles_a_cta():
+    """What the first test leaves out: a row's bits with the norm and residual folds (x staged and x's group sums
+    computed in shared memory at few rows, read from L2 at many: the same bits), with more tiles than the
+    persistent grid has CTAs (a CTA's second tile: the double-buffered reduction), int8 with groups of 64 and an
+    odd number of chunks (K = 544, int8 g32; K = 576, int4 g64); each against float64 as well."""
+    from onecopy.kernels import native
+    from onecopy.layouts import MMA_LAYOUT_IDS
+    from onecopy.models.packed import dequantize, tile_ordered
+    from onecopy.models.projections import sum_of_squares
+    from onecopy.models.quantize import quantize_weight
+
+    torch.manual_seed(1)
+    cases = [("int4", 128, 4096, 4096, False, True, True), ("int4", 128, 2 * 2048, 4096, True, False, True),
+             ("int8", 64, 4096, 4096, False, True, True), ("int4", 128, 16384, 1024, False, False, False),
+             ("int8", 128, 16384, 1024, False, True, False), ("int8", 32, 512, 544, False, False, True),
+             ("int4", 64, 512, 576, False, True, True)]
+    for mode, group, n, k, glu, res, norm in cases:
+        plain = quantize_weight(torch.randn(n, k) / k ** 0.5, mode, group)
+        plain = plain.rebuild(tuple(t.cuda() for t in plain.tensors()))
+        p = tile_ordered(plain)
+        op = (p.qweight, p.scales, p.mins, MMA_LAYOUT_IDS[p.layout], p.group)
+        n_out = n // 2 if glu else n
+        x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+        r = torch.randn(64, n_out, device="cuda", dtype=torch.bfloat16) if res else None
+        g = 1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16)
+        parts = torch.stack([sum_of_squares(c)[:, 0] for c in x.chunk(3, dim=1)], dim=1) if norm else None
+
+        def call(lo, hi, invariant=True):
+            nrm = (g, parts[lo:hi], 1e-5) if norm else None
+            return native.packed_linear(x[lo:hi], *op, residual=None if r is None else r[lo:hi], glu=glu, norm=nrm,
+                                        invariant=invariant)
+
+        whole = call(0, 64)
+        for lo, hi in ((37, 38), (0, 5), (3, 11), (30, 46), (5, 38)):
+            part = call(lo, hi)
+            assert torch.equal(whole[0][lo:hi], part[0]) and torch.equal(whole[1][lo:hi], part[1]), \
+                (mode, group, n, k, lo, hi)
+        exact, r5, n5 = dequantize(plain), None if r is None else r[:5], (g, parts[:5], 1e-5) if norm else None
+        ref = _reference(x[:5], exact, glu, r5, n5)
+        err = float((call(0, 5, invariant=False)[0].double() - ref).abs().max())
+        err_eager = float((_eager(x[:5], exact, glu, r5, n5).double() - ref).abs().max())
+        assert err <= max(1.5 * err_eager, 8e-3 * float(ref.abs().max())), (mode, group, n, k, err, err_eager)
+
+
 def test_native_unpack_equals_the_torch_dequantization():
     """The prefill's float copy of a tile-ordered weight (`kernels.native.unpack`) bit for bit
     `models.packed.dequantize` (s * q, + m: two roundings in fp32, then one to the dtype)."""
