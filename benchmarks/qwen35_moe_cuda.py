@@ -42,12 +42,7 @@ def config(layers: int, tiny: bool) -> Qwen35Config:
     if tiny:  # a dry run on CPU
         return Qwen35Config(**{**PRESETS["tiny-qwen3.5-moe"].config.to_dict(), "n_layers": layers,
                                "layer_types": kinds})
-    return Qwen35Config(vocab_size=248320, dim=2048, n_layers=layers, n_heads=16, n_kv_heads=2, head_dim=256,
-                        intermediate_size=0, layer_types=kinds, linear_conv_kernel=4, linear_n_k_heads=16,
-                        linear_n_v_heads=32, linear_k_head_dim=128, linear_v_head_dim=128,
-                        rope_theta=10_000_000.0, partial_rotary_factor=0.25, max_position_embeddings=262144,
-                        num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
-                        shared_expert_intermediate_size=512)
+    return Qwen35Config(**{**PRESETS["qwen3.5-35b-a3b"].config.to_dict(), "n_layers": layers, "layer_types": kinds})
 
 
 def step_bytes(cfg: Qwen35Config, weights: dict, state: dict, context: int) -> dict:

@@ -12,7 +12,7 @@ import torch
 
 import onecopy
 from onecopy.models import qwen3_5
-from onecopy.models.qwen3_5_config import LINEAR
+from onecopy.models.qwen3_5_config import FULL, LINEAR
 from onecopy.models.qwen3_5_convert import hf_config_from_qwen3_5
 from onecopy.models.source import ModelSource, preset_source, resolve_source
 
@@ -289,3 +289,48 @@ def test_moe_decode_reads_only_the_routed_experts():
     assert decode and not any("_mm" in line or "bmm" in line for line in decode)
     assert all("cpp_fused" in line and "index" in line for line in decode)
     assert any("mm" in line for line in expert_uses(wrapper("prefill")))
+
+
+def test_the_35b_a3b_preset_has_the_published_shape():
+    """The whole Qwen3.5-35B-A3B shape as a preset: 40 layers, three DeltaNet layers then one attention layer,
+    256 experts of width 512 with 8 a token and a shared expert; built without memory, ~35B weights of which
+    ~3B are read for a token (the routed share of the experts); drawn on the export device, never on the host."""
+    from onecopy.models.presets import PRESETS
+
+    preset = PRESETS["qwen3.5-35b-a3b"]
+    cfg = preset.config
+    assert preset.on_device and cfg.family == "qwen3_5_moe" and cfg.n_layers == 40
+    assert cfg.layer_types == [LINEAR, LINEAR, LINEAR, FULL] * 10
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (256, 8, 512)
+    with torch.device("meta"):
+        model = qwen3_5.Qwen35(cfg, 4096, torch.bfloat16)
+    sizes = {n: p.numel() for n, p in model.named_parameters()}
+    experts = sum(v for n, v in sizes.items() if ".experts." in n)
+    total = sum(sizes.values())
+    active = total - experts + experts * cfg.num_experts_per_tok // cfg.num_experts - sizes["embed_tokens.weight"]
+    assert 34e9 < total < 36.5e9 and 2.5e9 < active < 3.5e9, (total, active)
+    assert preset_source("qwen3.5-35b-a3b").hf_state_dict == {}  # nothing drawn on the host
+
+
+def test_on_device_random_weights_are_seeded_and_give_sane_logits():
+    """`random_weights.qwen3_5_on_device` (the large presets' path, here on a tiny MoE shape on CPU): the same
+    seed gives the same tensors, another seed others; every expert tensor is scaled by its fan-in (the residual
+    stream stays in range however many layers add to it); the logits are spread (no ties for greedy tests)."""
+    from onecopy.models.presets import PRESETS
+    from onecopy.models.random_weights import qwen3_5_on_device
+
+    cfg = PRESETS["tiny-qwen3.5-moe"].config
+    a = qwen3_5_on_device(cfg, 64, torch.float32, torch.device("cpu"), seed=3)
+    b = qwen3_5_on_device(cfg, 64, torch.float32, torch.device("cpu"), seed=3)
+    c = qwen3_5_on_device(cfg, 64, torch.float32, torch.device("cpu"), seed=4)
+    for (name, pa), pb, pc in zip(a.state_dict().items(), b.state_dict().values(), c.state_dict().values()):
+        assert torch.equal(pa, pb), name
+        assert name == "rope_inv_freq" or not torch.equal(pa, pc), name
+    for name, p in a.state_dict().items():
+        if ".experts." in name:  # [E, out, in]: each output's sum over `in` has variance ~1
+            assert 0.7 < float(p.float().pow(2).sum(-1).mean()) < 1.3, name
+        if name.endswith("A_log"):
+            assert 0.05 <= float(p.exp().min()) and float(p.exp().max()) <= 2.0, name
+    with torch.no_grad():
+        logits = a(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))
+    assert torch.isfinite(logits).all() and 0.3 < float(logits.std()) < 30, float(logits.std())

@@ -54,7 +54,7 @@ def _qwen3_5(name: str, model_types: tuple[str, ...]) -> Family:
         qwen3_5_convert.hf_to_onecopy,
         functools.partial(hf_checkpoint.read_text_dir, read_checkpoint=qwen3_5_convert.read_checkpoint,
                           config_from_hf=qwen3_5_convert.config_from_hf),
-        model_types, random_weights.qwen3_5_hf_weights)
+        model_types, random_weights.qwen3_5_hf_weights, random_weights.qwen3_5_on_device)
 
 
 QWEN3_5 = _qwen3_5("qwen3_5", ("qwen3_5", "qwen3_5_text"))

@@ -56,6 +56,18 @@ PRESETS: dict[str, Preset] = {
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
             linear_chunk_size=32),
         "seeded random 4-layer Qwen3.5 MoE (4 experts, 2 per token, a shared expert) for tests"),
+    # transformers' Qwen3_5MoeTextConfig defaults: 40 layers (DeltaNet, DeltaNet, DeltaNet, attention; x 10), width
+    # 2048, 256 experts of width 512 (8 routed a token) and a shared expert, DeltaNet 16 key / 32 value heads of
+    # 128, gated attention 16 query / 2 KV heads of 256 (a quarter rotary), vocab 248320: ~35B weights, ~3B a token
+    "qwen3.5-35b-a3b": Preset(
+        Qwen35Config(
+            vocab_size=248320, dim=2048, n_layers=40, n_heads=16, n_kv_heads=2, head_dim=256, intermediate_size=0,
+            layer_types=[FULL if (i + 1) % 4 == 0 else LINEAR for i in range(40)], linear_conv_kernel=4,
+            linear_n_k_heads=16, linear_n_v_heads=32, linear_k_head_dim=128, linear_v_head_dim=128,
+            rope_theta=10_000_000.0, partial_rotary_factor=0.25, max_position_embeddings=262144,
+            num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512),
+        "Qwen3.5-35B-A3B shape (the whole 40 layers), seeded random weights drawn on the export device",
+        on_device=True),
 }
 
 

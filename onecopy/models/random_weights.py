@@ -4,8 +4,8 @@
 Small presets draw their weights on the host under transformers' names (`llama_hf_weights`,
 `qwen3_5_hf_weights`, reached through `presets.random_hf_state_dict`): the same seed gives the same
 tensors, bit for bit, which the tests' references rely on. Large presets draw them in place on the
-export device, in its dtype (`fill_random`, `llama_on_device`): an 8B model never passes through
-host memory in fp32.
+export device, in its dtype (`fill_random`, `llama_on_device`, `qwen3_5_on_device`): an 8B (or 35B)
+model never passes through host memory in fp32.
 """
 
 from __future__ import annotations
@@ -146,4 +146,36 @@ def llama_on_device(cfg: LlamaConfig, max_seq_len: int, dtype: torch.dtype, devi
     model = model.to_empty(device=device)
     model.rope_inv_freq = rope_inv_freq(cfg)[0].to(device)  # computed, not random
     fill_random(model, seed)
+    return model.eval()
+
+
+def qwen3_5_on_device(cfg: Qwen35Config, max_seq_len: int, dtype: torch.dtype, device: torch.device,
+                      seed: int) -> nn.Module:
+    """A Qwen3.5 model (dense or MoE) built without memory (meta), then materialised on ``device`` with seeded
+    random weights drawn in place (one generator per tensor), scaled as `qwen3_5_hf_weights` scales them:
+    projections and experts N(0, 1 / fan_in) (an expert tensor [E, out, in]: fan-in ``in``; the causal conv: its
+    kernel), the zero-centred RMSNorms (``1 + w``) small, the DeltaNet output norm (``w``) around one, decay
+    rates A = exp(A_log) in 0.05..2, the embedding N(0, 1). The 35B MoE shape never passes through the host."""
+    from .qwen3_5 import Qwen35  # the model module imports this one's neighbours; keep the import local
+
+    with torch.device("meta"):
+        model = Qwen35(cfg, max_seq_len, dtype)
+    model = model.to_empty(device=device)
+    model.rope_inv_freq.data = rope_inv_freq(cfg, cfg.rotary_dim)[0].to(device)  # computed, not random
+    with torch.no_grad():
+        for i, (name, p) in enumerate(model.named_parameters()):
+            g = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + i)
+            draw_dtype = torch.float32 if p.device.type == "cpu" else p.dtype
+            if name.endswith("A_log"):
+                x = (0.05 + 1.95 * torch.rand(p.shape, generator=g, device=p.device, dtype=torch.float32)).log()
+            else:
+                x = torch.randn(p.shape, generator=g, device=p.device, dtype=draw_dtype)
+                if name.endswith("linear_attn.norm.weight") or name.endswith("dt_bias"):
+                    x = 1.0 + 0.1 * x
+                elif p.dim() == 1:  # zero-centred norms, biases
+                    x = 0.1 * x
+                elif name != "embed_tokens.weight":
+                    fan_in = p.shape[-1] if ".experts." in name else p[0].numel()
+                    x = x / fan_in ** 0.5
+            p.copy_(x)
     return model.eval()
