@@ -334,3 +334,9 @@ def test_on_device_random_weights_are_seeded_and_give_sane_logits():
     with torch.no_grad():
         logits = a(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))
     assert torch.isfinite(logits).all() and 0.3 < float(logits.std()) < 30, float(logits.std())
+    # the source path the large presets take (no host weights, a seed): the family draws them on the device
+    src = ModelSource(name="tiny-moe-on-device", config=cfg, hf_state_dict={}, tokenizer_json="{}",
+                      eos_token_ids=[cfg.vocab_size - 1], family=cfg.family, random_seed=3)
+    built = src.build(64, torch.float32, "cpu")
+    assert built.state_dict().keys() == a.state_dict().keys()
+    assert all(torch.equal(x, y) for x, y in zip(built.state_dict().values(), a.state_dict().values()))
