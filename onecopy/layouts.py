@@ -35,7 +35,7 @@ def check_packed(layout: str, group: int, shape: tuple[int, int], qweight: torch
     per_byte, affine = LAYOUTS[layout]
     n, k = shape
     want_q = {"q8s": torch.int8, "q8s_mma": torch.int8, "f8r": torch.float8_e4m3fn}.get(layout, torch.uint8)
-    tiles = layout not in MMA_LAYOUT_IDS or (group in MMA_GROUPS and n % 16 == 0 and k % mma_chunk(layout) == 0)
+    tiles = layout not in MMA_LAYOUT_IDS or tiles_fit(layout, group, n, k)
     ok = ((group == k if layout == "f8r" else group in GROUPS) and k % group == 0 and k % per_byte == 0 and tiles
           and qweight.dtype == want_q
           and tuple(qweight.shape) == (n, k // per_byte) and scales.dtype == torch.float32
@@ -47,6 +47,12 @@ def check_packed(layout: str, group: int, shape: tuple[int, int], qweight: torch
                          f"got qweight {qweight.dtype} {list(qweight.shape)}, scales {scales.dtype} {list(scales.shape)}"
                          f"{'' if mins is None else f', mins {list(mins.shape)}'} (groups: {GROUPS}; f8r: one per row, K; "
                          f"the _mma layouts: groups {MMA_GROUPS}, N a multiple of 16, K of {mma_chunk(layout)})")
+
+
+def tiles_fit(layout: str, group: int, n: int, k: int) -> bool:
+    """Whether a [N, K] weight of ``layout`` (stored or tile order) with this group fits the native kernel's
+    tiles: groups `MMA_GROUPS`, N a multiple of 16 (a tile's features), K of a tile row's values."""
+    return group in MMA_GROUPS and n % 16 == 0 and k % mma_chunk(layout) == 0
 
 
 def mma_chunk(layout: str) -> int:

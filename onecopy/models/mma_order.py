@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import torch
 
-from ..layouts import LAYOUTS, MMA_GROUPS, MMA_LAYOUTS, mma_chunk
+from ..layouts import LAYOUTS, MMA_LAYOUTS, tiles_fit
 
 PLAIN_LAYOUTS = {v: k for k, v in MMA_LAYOUTS.items()}  # tile order -> stored order
 
 
 def orderable(layout: str, group: int, shape: tuple[int, int]) -> bool:
     """True when a ``layout`` weight of float ``shape`` [N, K] has a tile order (its kernel serves it)."""
-    n, k = shape
-    return layout in MMA_LAYOUTS and group in MMA_GROUPS and n % 16 == 0 and k % mma_chunk(layout) == 0
+    return layout in MMA_LAYOUTS and tiles_fit(layout, group, *shape)
 
 
 def order_values(qweight: torch.Tensor, layout: str) -> torch.Tensor:
