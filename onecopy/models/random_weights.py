@@ -10,6 +10,8 @@ model never passes through host memory in fp32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -120,21 +122,49 @@ def qwen3_5_hf_weights(cfg: Qwen35Config, seed: int) -> dict[str, torch.Tensor]:
     return sd
 
 
-def fill_random(model: nn.Module, seed: int) -> None:
-    """Seeded random weights in place, on the model's device and dtype (one generator per tensor):
-    linear weights N(0, 1/fan_in), norms 1 + N(0, 0.01), embeddings N(0, 1); logits stay well separated."""
+def normal_like(p: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """N(0, 1) of ``p``'s shape on its device: float32 on the CPU (its generator's stream), else ``p``'s dtype."""
+    return torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32 if p.device.type == "cpu" else p.dtype)
+
+
+def llama_draw(name: str, p: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """A Llama-family tensor's values: linear weights N(0, 1/fan_in), norms 1 + N(0, 0.01), biases N(0, 0.01),
+    embeddings N(0, 1); logits stay well separated."""
+    x = normal_like(p, g)
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * x
+    if p.dim() == 2 and "embeddings" not in name:
+        return x / p.shape[1] ** 0.5
+    if p.dim() == 1:  # biases
+        return 0.1 * x
+    return x
+
+
+def qwen3_5_draw(name: str, p: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """A Qwen3.5 tensor's values, scaled as `qwen3_5_hf_weights` scales them: projections and experts
+    N(0, 1 / fan_in) (an expert tensor [E, out, in]: fan-in ``in``; the causal conv: its kernel), the
+    zero-centred RMSNorms (``1 + w``) small, the DeltaNet output norm (``w``) around one, decay rates
+    A = exp(A_log) in 0.05..2, the embedding N(0, 1)."""
+    if name.endswith("A_log"):
+        return (0.05 + 1.95 * torch.rand(p.shape, generator=g, device=p.device, dtype=torch.float32)).log()
+    x = normal_like(p, g)
+    if name.endswith("linear_attn.norm.weight") or name.endswith("dt_bias"):
+        return 1.0 + 0.1 * x
+    if p.dim() == 1:  # zero-centred norms, biases
+        return 0.1 * x
+    if name == "embed_tokens.weight":
+        return x
+    fan_in = p.shape[-1] if ".experts." in name else p[0].numel()
+    return x / fan_in ** 0.5
+
+
+def fill_random(model: nn.Module, seed: int,
+                draw: Callable[[str, torch.Tensor, torch.Generator], torch.Tensor] = llama_draw) -> None:
+    """Seeded random weights in place, on the model's device and dtype: one generator per tensor, its values
+    ``draw(name, tensor, generator)`` (the family's scales)."""
     with torch.no_grad():
         for i, (name, p) in enumerate(model.named_parameters()):
-            g = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + i)
-            x = torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32 if p.device.type == "cpu"
-                            else p.dtype)
-            if name.endswith("norm.weight"):
-                x = 1.0 + 0.1 * x
-            elif p.dim() == 2 and "embeddings" not in name:
-                x = x / p.shape[1] ** 0.5
-            elif p.dim() == 1:  # biases
-                x = 0.1 * x
-            p.copy_(x)
+            p.copy_(draw(name, p, torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + i)))
 
 
 def llama_on_device(cfg: LlamaConfig, max_seq_len: int, dtype: torch.dtype, device: torch.device,
@@ -152,30 +182,12 @@ def llama_on_device(cfg: LlamaConfig, max_seq_len: int, dtype: torch.dtype, devi
 def qwen3_5_on_device(cfg: Qwen35Config, max_seq_len: int, dtype: torch.dtype, device: torch.device,
                       seed: int) -> nn.Module:
     """A Qwen3.5 model (dense or MoE) built without memory (meta), then materialised on ``device`` with seeded
-    random weights drawn in place (one generator per tensor), scaled as `qwen3_5_hf_weights` scales them:
-    projections and experts N(0, 1 / fan_in) (an expert tensor [E, out, in]: fan-in ``in``; the causal conv: its
-    kernel), the zero-centred RMSNorms (``1 + w``) small, the DeltaNet output norm (``w``) around one, decay
-    rates A = exp(A_log) in 0.05..2, the embedding N(0, 1). The 35B MoE shape never passes through the host."""
+    random weights drawn in place (`qwen3_5_draw`): the 35B MoE shape never passes through the host."""
     from .qwen3_5 import Qwen35  # the model module imports this one's neighbours; keep the import local
 
     with torch.device("meta"):
         model = Qwen35(cfg, max_seq_len, dtype)
     model = model.to_empty(device=device)
     model.rope_inv_freq.data = rope_inv_freq(cfg, cfg.rotary_dim)[0].to(device)  # computed, not random
-    with torch.no_grad():
-        for i, (name, p) in enumerate(model.named_parameters()):
-            g = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + i)
-            draw_dtype = torch.float32 if p.device.type == "cpu" else p.dtype
-            if name.endswith("A_log"):
-                x = (0.05 + 1.95 * torch.rand(p.shape, generator=g, device=p.device, dtype=torch.float32)).log()
-            else:
-                x = torch.randn(p.shape, generator=g, device=p.device, dtype=draw_dtype)
-                if name.endswith("linear_attn.norm.weight") or name.endswith("dt_bias"):
-                    x = 1.0 + 0.1 * x
-                elif p.dim() == 1:  # zero-centred norms, biases
-                    x = 0.1 * x
-                elif name != "embed_tokens.weight":
-                    fan_in = p.shape[-1] if ".experts." in name else p[0].numel()
-                    x = x / fan_in ** 0.5
-            p.copy_(x)
+    fill_random(model, seed, qwen3_5_draw)
     return model.eval()
