@@ -147,6 +147,22 @@ def test_native_packed_linear_rows_stay_independent_with_folds_and_many_tiles_a_
         assert err <= max(1.5 * err_eager, 8e-3 * float(ref.abs().max())), (mode, group, n, k, err, err_eager)
 
 
+def test_native_packed_linear_refuses_misaligned_or_mismatched_scales():
+    """The kernel copies weights, scales and mins 16 bytes at a time: a view that starts off a 16-byte boundary
+    is refused with the fix named, as are mins that are not float32 and shaped as the scales."""
+    from onecopy.kernels import native
+    from onecopy.layouts import MMA_LAYOUT_IDS
+
+    p, _ = _weights(512, 1024)["q4a g128"]
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    off = torch.empty(p.scales.numel() + 1, device="cuda")[1:].view_as(p.scales).copy_(p.scales)  # 4 bytes off
+    with pytest.raises(RuntimeError, match=r"qweight, scales and mins must start at 16-byte aligned addresses .*"
+                                           r"pass a copy \(\.clone\(\)\)"):
+        native.packed_linear(x, p.qweight, off, p.mins, MMA_LAYOUT_IDS[p.layout], p.group)
+    with pytest.raises(RuntimeError, match="mins must be float32 and contiguous, shaped as the scales"):
+        native.packed_linear(x, p.qweight, p.scales, p.mins[:, :-1], MMA_LAYOUT_IDS[p.layout], p.group)
+
+
 def test_native_unpack_equals_the_torch_dequantization():
     """The prefill's float copy of a tile-ordered weight (`kernels.native.unpack`) bit for bit
     `models.packed.dequantize` (s * q, + m: two roundings in fp32, then one to the dtype)."""
