@@ -1,10 +1,13 @@
 // Timing harness for the native packed projection (kernels/native/packed_linear.cu) without torch: build-time
-// variants (-DONECOPY_RING_KB=...), random bytes, q4a g128 and q8s g128, one and 16 rows, a CUDA graph of calls
-// over 600 MB of weight copies (cold weights, the gaps a decode step has), per call microseconds.
+// variants (-DONECOPY_RING_KB=..., benchmarks/packed_linear_variants.sh), random bytes, q4a g128 and q8s g128, a CUDA
+// graph of calls over 600 MB of weight copies (cold weights, the gaps a decode step has), per call microseconds.
+// Usage: packed_linear_harness [rows, default 1,16] [layouts, default q4a,q8s] [shapes, default all]
 // Build and run (CUDA machine, repository root): bash benchmarks/packed_linear_rings.sh
 #include <cuda_runtime.h>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <string>
 #include <vector>
 #include "packed_linear.h"
 using namespace onecopy_native;
@@ -13,8 +16,21 @@ int main(int argc, char** argv) {
   struct Shape { const char* name; int n, k; bool glu; } shapes[] = {
       {"o", 4096, 4096, false}, {"qkv", 6144, 4096, false}, {"down", 4096, 14336, false},
       {"gate_up", 28672, 4096, true}, {"lm", 128256, 4096, false}};
+  auto listed = [](const char* list, const std::string& item) {  // item in a comma-separated list
+    const std::string l = std::string(",") + list + ",";
+    return l.find("," + item + ",") != std::string::npos;
+  };
+  std::vector<int> rows;
+  for (const char* r = argc > 1 ? argv[1] : "1,16"; *r;) {
+    rows.push_back(std::atoi(r));
+    while (*r && *r != ',') ++r;
+    if (*r) ++r;
+  }
+  const char* layout_list = argc > 2 ? argv[2] : "q4a,q8s";
+  const char* shape_list = argc > 3 ? argv[3] : "o,qkv,down,gate_up,lm";
   int layouts[] = {kQ4aMma, kQ8sMma};
-  for (int layout : layouts) for (auto& sh : shapes) for (int m : {1, 16}) {
+  for (int layout : layouts) for (auto& sh : shapes) for (int m : rows) {
+    if (!listed(layout_list, layout == kQ8sMma ? "q8s" : "q4a") || !listed(shape_list, sh.name)) continue;
     const int n = sh.n, k = sh.k, group = 128;
     const size_t wbytes = layout == kQ8sMma ? (size_t)n * k : (size_t)n * k / 2;
     const size_t sbytes = (size_t)n * (k / group) * 4;

@@ -99,15 +99,21 @@ def test_native_packed_linear_matches_float64_and_is_batch_invariant():
             for lo, hi in ((37, 38), (0, 8), (30, 46), (5, 38)):
                 part = native.packed_linear(x[lo:hi], *op, glu=glu, invariant=True)
                 assert torch.equal(whole[0][lo:hi], part[0]) and torch.equal(whole[1][lo:hi], part[1]), (name, lo, hi)
-                if hi - lo <= native.KERNEL_MAX_ROWS:  # the default op runs the kernel there
+                if 8 < hi - lo <= native.KERNEL_MAX_ROWS:  # the default op runs the invariant kernel's plan there
                     assert torch.equal(native.packed_linear(x[lo:hi], *op, glu=glu)[0], part[0]), (name, lo, hi)
+            # up to 8 rows the default op may take 16-warp CTAs (a weight of few tiles): its own rows still agree
+            # whatever the batch up to 8
+            few = native.packed_linear(x[32:40], *op, glu=glu)[0]
+            assert torch.equal(native.packed_linear(x[37:38], *op, glu=glu)[0], few[5:6]), name
+            assert torch.equal(native.packed_linear(x[33:36], *op, glu=glu)[0], few[1:4]), name
 
 
 def test_native_packed_linear_rows_stay_independent_with_folds_and_many_tiles_a_cta():
     """What the first test leaves out: a row's bits with the norm and residual folds (x staged and x's group sums
     computed in shared memory at few rows, read from L2 at many: the same bits), with more tiles than the
-    persistent grid has CTAs (a CTA's second tile: the double-buffered reduction), int8 with groups of 64 and an
-    odd number of chunks (K = 544, int8 g32; K = 576, int4 g64); each against float64 as well."""
+    persistent grid has CTAs (a CTA's second tile: the double-buffered reduction), 8-warp CTAs (weights of 528
+    and more tiles; fewer take 16 warps) with and without SwiGLU, int8 with groups of 64 and an odd number of
+    chunks (K = 544, int8 g32; K = 576, int4 g64); each against float64 as well."""
     from onecopy.kernels import native
     from onecopy.layouts import MMA_LAYOUT_IDS
     from onecopy.models.packed import dequantize, tile_ordered
@@ -117,7 +123,8 @@ def test_native_packed_linear_rows_stay_independent_with_folds_and_many_tiles_a_
     torch.manual_seed(1)
     cases = [("int4", 128, 4096, 4096, False, True, True), ("int4", 128, 2 * 2048, 4096, True, False, True),
              ("int8", 64, 4096, 4096, False, True, True), ("int4", 128, 16384, 1024, False, False, False),
-             ("int8", 128, 16384, 1024, False, True, False), ("int8", 32, 512, 544, False, False, True),
+             ("int8", 128, 16384, 1024, False, True, False), ("int4", 128, 2 * 9216, 1024, True, False, True),
+             ("int8", 32, 512, 544, False, False, True),
              ("int4", 64, 512, 576, False, True, True)]
     for mode, group, n, k, glu, res, norm in cases:
         plain = quantize_weight(torch.randn(n, k) / k ** 0.5, mode, group)

@@ -229,7 +229,7 @@ std::tuple<at::Tensor, at::Tensor> packed_linear(const at::Tensor& x_in, const a
   p.stride_o = out.stride(0);
   p.ss_out = ss_out.data_ptr<float>();
   p.m = static_cast<int>(m); p.n_out = static_cast<int>(n_out); p.k = static_cast<int>(k);
-  p.group = static_cast<int>(group); p.layout = static_cast<int>(layout); p.glu = glu;
+  p.group = static_cast<int>(group); p.layout = static_cast<int>(layout); p.glu = glu; p.invariant = invariant;
   check_launch(onecopy_native::packed_linear_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "packed_linear");
   return {out, ss_out};
 }
@@ -244,13 +244,27 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
               "fp8_linear takes bf16/fp16 rows [M, K] and an e4m3 weight [N, K] with float32 scales [N]");
   const int64_t m = x.size(0), n = w.size(0), k = w.size(1);
   c10::cuda::CUDAGuard guard(x.device());
+  auto xc = x.stride(1) == 1 && x.stride(0) % 8 == 0 ? x : x.contiguous();
   if (m > onecopy_native::kFp8MaxRows || !onecopy_native::fp8_linear_supported(static_cast<int>(n), static_cast<int>(k))) {
-    auto xf = x.to(at::kFloat);
-    auto s = xf.abs().amax({-1}, true).clamp_min(1e-12) / 448.0;
-    auto q = (xf / s).clamp(-448.0, 448.0).to(at::kFloat8_e4m3fn);
+    at::Tensor q, s;
+    if (k % 8 == 0 && reinterpret_cast<uintptr_t>(xc.data_ptr()) % 16 == 0) {  // one kernel
+      q = at::empty({m, k}, x.options().dtype(at::kFloat8_e4m3fn));
+      s = at::empty({m, 1}, x.options().dtype(at::kFloat));
+      onecopy_native::QuantizeRowsParams qp{};
+      qp.x = xc.data_ptr();
+      qp.stride_x = xc.stride(0);
+      qp.q = q.data_ptr();
+      qp.scales = s.data_ptr<float>();
+      qp.m = static_cast<int>(m); qp.k = static_cast<int>(k);
+      qp.bf16 = x.scalar_type() == at::kBFloat16;
+      check_launch(onecopy_native::quantize_rows_launch(qp, c10::cuda::getCurrentCUDAStream().stream()), "quantize_rows");
+    } else {
+      auto xf = x.to(at::kFloat);
+      s = xf.abs().amax({-1}, true).clamp_min(1e-12) / 448.0;
+      q = (xf / s).clamp(-448.0, 448.0).to(at::kFloat8_e4m3fn);
+    }
     return at::_scaled_mm(q, w.t(), s, ws.reshape({1, n}), std::nullopt, std::nullopt, x.scalar_type());
   }
-  auto xc = x.stride(1) == 1 && x.stride(0) % 8 == 0 ? x : x.contiguous();
   auto wc = w.contiguous();
   auto wsc = ws.contiguous();
   auto out = at::empty({m, n}, x.options());

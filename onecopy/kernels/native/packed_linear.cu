@@ -131,12 +131,13 @@ __device__ __forceinline__ void dequant_step(const uint4& w, int j, uint32_t (&a
   }
 }
 
-// A block's partial sums, added in a fixed tree over the warps ((w0 + w4) + (w2 + w6)) + ((w1 + w5) + (w3 + w7)):
-// the order never depends on the rows. `red` holds 4 x N x 32 floats; warp 0 returns with the totals.
-template <int N>
+// A block's partial sums, added in a fixed tree over its W warps (w += w + W / 2, then + W / 4, ...; for 8 warps
+// ((w0 + w4) + (w2 + w6)) + ((w1 + w5) + (w3 + w7))): the order never depends on the rows. `red` holds W / 2 x N x
+// 32 floats; warp 0 returns with the totals.
+template <int W, int N>
 __device__ __forceinline__ void reduce_warps(float (&v)[N], float* red, int warp, int lane) {
 #pragma unroll
-  for (int half = kWarps / 2; half >= 1; half /= 2) {
+  for (int half = W / 2; half >= 1; half /= 2) {
     if (warp >= half && warp < 2 * half) {
 #pragma unroll
       for (int i = 0; i < N; ++i) red[((warp - half) * N + i) * 32 + lane] = v[i];
@@ -150,10 +151,16 @@ __device__ __forceinline__ void reduce_warps(float (&v)[N], float* red, int warp
   }
 }
 
-// x's rows staged in shared memory (one coalesced read per CTA, the norm's weight applied once) when they take at
-// most this many bytes and fit beside the ring (smem_fits); wider blocks read their B fragments from global memory
-// (L2) in the loop. Same values either way: a row's bits do not depend on which.
-constexpr int kStageBytes = 64 * 1024;
+// reduce_warps's sum of C values v[0], v[St], v[2 St], ... in its order (the same bits).
+template <int C, int St>
+__device__ __forceinline__ float tree_sum(const float* v) {
+  if constexpr (C == 1) return v[0];
+  else return tree_sum<C / 2, 2 * St>(v) + tree_sum<C / 2, 2 * St>(v + St);
+}
+
+// x's rows staged in shared memory (one coalesced read per CTA, the norm's weight applied once) where that pays
+// and they fit (plan_for, smem_fits); other blocks read their B fragments from global memory (L2) in the loop. Same values
+// either way: a row's bits do not depend on which.
 
 // x times the norm's weight, each product rounded to bf16 as the eager x * w (8 values).
 __device__ __forceinline__ uint4 times_norm(uint4 v, const __nv_bfloat16* nw, int k) {
@@ -172,19 +179,23 @@ __device__ __forceinline__ uint4 times_norm(uint4 v, const __nv_bfloat16* nw, in
 // bytes a lane); as many stages as fit kRingBytes (2 to 8). 54 KB: 6 stages of a one-weight CTA (5 pairs a warp
 // in flight), 3 of a fused gate/up one; three CTAs an SM with a row of x. H200, one row, q4a, ring of 36 / 54 / 72
 // / 100 KB (benchmarks/packed_linear_rings.sh): down 4096x14336 23.6 / 16.5 / 18.8 / 18.8 us, o 8.0 / 7.8 / 7.1 /
-// 7.1, gate/up 27.5 / 26.0 / 25.9 / 30.5, the LM head 94 at all four.
+// 7.1, gate/up 27.5 / 26.0 / 25.9 / 30.5, the LM head 94 at all four. A 16-warp CTA (`plan_for`) has a ring
+// of its own size.
 #ifndef ONECOPY_RING_KB
 #define ONECOPY_RING_KB 54
 #endif
-constexpr int kRingBytes = ONECOPY_RING_KB * 1024;
-template <int L, int GS, int G>
+#ifndef ONECOPY_RING16_KB
+#define ONECOPY_RING16_KB 72
+#endif
+template <int L, int GS, int G, int W>
 struct Ring {
+  static constexpr int kRingBytes = (W == 8 ? ONECOPY_RING_KB : ONECOPY_RING16_KB) * 1024;
   static constexpr int kCh = L == kQ8sMma ? 32 : 64;                   // values a chunk of the tile order
   static constexpr int kStageSteps = 2 * kCh / 16;                     // MMA steps a stage
   static constexpr int kP = kStageSteps / GS;                          // scale periods a stage
   static constexpr int kScaleRows = L == kQ4aMma ? 2 : 1;              // scales (and mins)
   static constexpr int kScaleCopies = G * kP * kScaleRows * 4;         // 16-byte copies a stage and warp
-  static constexpr int kPerStage = kThreads * 32 * G + kWarps * kScaleCopies * 16;
+  static constexpr int kPerStage = 32 * W * 32 * G + W * kScaleCopies * 16;
   static constexpr int kFit = kRingBytes / kPerStage;
   static constexpr int kStages = kFit > 8 ? 8 : kFit < 2 ? 2 : kFit;
   static constexpr int kBytes = kStages * kPerStage;
@@ -192,7 +203,7 @@ struct Ring {
 };
 
 // L: layout; NT: 8-row n-tiles per CTA; GS: MMA steps per scale (a group's share of a stage); G: 2 with a
-// fused gate/up weight; S: x staged in shared memory (dynamic, after the ring; rows K + 8 values apart: no bank
+// fused gate/up weight; W: warps (8, or 16 where the tiles are too few to fill the SMs: `plan_for`); S: x staged in shared memory (dynamic, after the ring; rows K + 8 values apart: no bank
 // conflicts), and for int4 each row's sums over each scale period computed there once.
 //
 // Persistent: a CTA takes tiles blockIdx.y, + gridDim.y, ... (the launch sizes the grid to the CTAs that fit at
@@ -202,9 +213,11 @@ struct Ring {
 // int4 values enter the MMA as the exact bf16 integers 128 + q (one LOP3 a pair, no bias subtraction): the
 // bias comes back per scale period through x's sum over the period, s (sum x (128 + q) - b sum x) + m sum x
 // (b = 136 for q4z's q - 8, 128 for q4a), exact algebra; the sums stay far inside fp32's range and precision.
-template <int L, int NT, int GS, int G, bool S>
-__global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : 2) packed_linear_kernel(PackedLinearParams p) {
-  using R = Ring<L, GS, G>;
+template <int L, int NT, int GS, int G, bool S, int W>
+__global__ void __launch_bounds__(32 * W, (NT == 1 ? 4 : 2) * 8 / W) packed_linear_kernel(PackedLinearParams p) {
+  using R = Ring<L, GS, G, W>;
+  constexpr int kWarps = W;  // this kernel's (the FP8 kernel keeps 8)
+  constexpr int kThreads = 32 * W;
   constexpr int kCh = R::kCh;
   constexpr int kSteps = kCh / 16;  // a chunk's
   constexpr bool kAffine = L == kQ4aMma;
@@ -217,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : 2) packed_linear_kerne
   constexpr int kStages = R::kStages;
   constexpr int kAcc = G * NT * 4;
   extern __shared__ uint4 dyn[];
-  __shared__ float red[NT == 1 ? 1 : 4 * kAcc * 32];
+  __shared__ float red[NT == 1 ? 1 : W / 2 * kAcc * 32];
   __shared__ float red1[NT == 1 ? 2 * kWarps * kAcc * 32 : 1];
   __shared__ float fin[G][16][kRows + 1];
   __shared__ float rstd[kRows];
@@ -464,13 +477,11 @@ __global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : 2) packed_linear_kerne
       if (warp == 0) {
 #pragma unroll
         for (int i = 0; i < kAcc; ++i) {
-          const float* v = rb + i * 32 + lane;
-          constexpr int W = kAcc * 32;
-          flat[i] = ((v[0] + v[4 * W]) + (v[2 * W] + v[6 * W])) + ((v[W] + v[5 * W]) + (v[3 * W] + v[7 * W]));
+          flat[i] = tree_sum<W, kAcc * 32>(rb + i * 32 + lane);
         }
       }
     } else {
-      reduce_warps<kAcc>(reinterpret_cast<float(&)[kAcc]>(*flat), red, warp, lane);
+      reduce_warps<W, kAcc>(reinterpret_cast<float(&)[kAcc]>(*flat), red, warp, lane);
     }
     ++tiles_done;
     if (warp == 0) {
@@ -557,6 +568,7 @@ __device__ __forceinline__ float half_f(uint16_t v, bool bf16) {
 // steps, x's row g the same values its B fragments: the reduction index permuted alike in A and B (as above),
 // with the weight as stored (row-major, which cuBLAS's FP8 GEMM reads for more rows).
 constexpr int kFp8Stages = 6;  // 48 KB of ring (32 bytes a thread and stage): four CTAs an SM
+constexpr size_t kFp8StageBytes = 64 * 1024;  // e4m3 rows staged up to this many bytes (more: quantized as read)
 
 template <bool S>
 __global__ void __launch_bounds__(kThreads) fp8_linear_kernel(Fp8LinearParams p) {
@@ -667,7 +679,7 @@ __global__ void __launch_bounds__(kThreads) fp8_linear_kernel(Fp8LinearParams p)
       mma_fp8(acc[0], lo.z, hi.z, lo.w, hi.w, b[2], b[3]);
     }
     float* flat = &acc[0][0];
-    reduce_warps<kAcc>(reinterpret_cast<float(&)[kAcc]>(*flat), red, warp, lane);
+    reduce_warps<kWarps, kAcc>(reinterpret_cast<float(&)[kAcc]>(*flat), red, warp, lane);
     if (warp == 0) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) fin[g + 8 * (e >> 1)][2 * t + (e & 1)] = acc[0][e];
@@ -694,6 +706,41 @@ __global__ void __launch_bounds__(kThreads) fp8_linear_kernel(Fp8LinearParams p)
     }
   }
   copies_wait<0>();
+}
+
+// Each row of x quantized to e4m3 for cuBLAS's FP8 GEMM, as models/packed.py's quantize_rows (and the FP8 kernel
+// above) do: scale = max(max |x|, 1e-12) * fl(1 / 448), q = e4m3(x / scale), saturating. One CTA a row, in one
+// kernel (the ATen ops took six, each a pass over x).
+__global__ void __launch_bounds__(kThreads) quantize_rows_kernel(QuantizeRowsParams p) {
+  __shared__ float wmax[kWarps];
+  const uint16_t* x = static_cast<const uint16_t*>(p.x) + blockIdx.x * p.stride_x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float a = 0.f;
+  for (int i = threadIdx.x * 8; i < p.k; i += kThreads * 8) {
+    const uint4 v = *reinterpret_cast<const uint4*>(x + i);
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(&v);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) a = fmaxf(a, fabsf(half_f(h[e], p.bf16)));
+  }
+#pragma unroll
+  for (int o = 16; o >= 1; o /= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+  if (lane == 0) wmax[warp] = a;
+  __syncthreads();
+  a = 0.f;
+#pragma unroll
+  for (int i = 0; i < kWarps; ++i) a = fmaxf(a, wmax[i]);
+  const float s = fmaxf(a, 1e-12f) * (1.f / 448.f);
+  if (threadIdx.x == 0) p.scales[blockIdx.x] = s;
+  uint8_t* q = static_cast<uint8_t*>(p.q) + static_cast<int64_t>(blockIdx.x) * p.k;
+  for (int i = threadIdx.x * 8; i < p.k; i += kThreads * 8) {
+    const uint4 v = *reinterpret_cast<const uint4*>(x + i);
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(&v);
+    const uint32_t lo = to_e4m3x4(half_f(h[0], p.bf16) / s, half_f(h[1], p.bf16) / s, half_f(h[2], p.bf16) / s,
+                                  half_f(h[3], p.bf16) / s);
+    const uint32_t hi = to_e4m3x4(half_f(h[4], p.bf16) / s, half_f(h[5], p.bf16) / s, half_f(h[6], p.bf16) / s,
+                                  half_f(h[7], p.bf16) / s);
+    *reinterpret_cast<uint2*>(q + i) = make_uint2(lo, hi);
+  }
 }
 
 // One thread per 16-byte word of the tile order: its values dequantized in fp32 (s * q, + m), one rounding.
@@ -746,13 +793,13 @@ __global__ void unpack_kernel(UnpackParams p) {
 
 // Launch with programmatic stream serialization allowed (sm_90+: see allow_dependents), else plainly.
 template <typename Kernel, typename Params>
-void launch_overlapped(Kernel kernel, dim3 grid, size_t smem, cudaStream_t stream, const Params& p) {
+void launch_overlapped(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t stream, const Params& p) {
   int device = 0, major = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
-  cfg.blockDim = dim3(kThreads);
+  cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
@@ -765,11 +812,11 @@ void launch_overlapped(Kernel kernel, dim3 grid, size_t smem, cudaStream_t strea
 
 // The persistent grid: as many CTAs as fit at once (occupancy hides the MMA chains' latency; fewer CTAs an SM
 // for a fuller last round measured slower), then no more than the last round of tiles needs.
-inline unsigned persistent_ctas(const void* kernel, size_t smem, int tiles, int row_blocks) {
+inline unsigned persistent_ctas(const void* kernel, int threads, size_t smem, int tiles, int row_blocks) {
   int device = 0, sms = 0, fit = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, kThreads, smem);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, threads, smem);
   const int slots = fit * sms / row_blocks > 1 ? fit * sms / row_blocks : 1;
   const int rounds = (tiles + slots - 1) / slots;
   return static_cast<unsigned>((tiles + rounds - 1) / rounds);
@@ -796,41 +843,84 @@ inline void allow_smem(const void* kernel, size_t smem) {
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
 }
 
-template <int L, int NT, int GS, int G, bool S>
+template <int L, int NT, int GS, int G, bool S, int W>
 void launch_kernel(const PackedLinearParams& p, size_t smem, cudaStream_t stream) {
-  auto kernel = packed_linear_kernel<L, NT, GS, G, S>;
+  auto kernel = packed_linear_kernel<L, NT, GS, G, S, W>;
   allow_smem(reinterpret_cast<const void*>(kernel), smem);
   const int row_blocks = (p.m + 8 * NT - 1) / (8 * NT);
-  const unsigned ctas = persistent_ctas(reinterpret_cast<const void*>(kernel), smem, p.n_out / 16, row_blocks);
-  launch_overlapped(kernel, dim3(row_blocks, ctas), smem, stream, p);
+  const unsigned ctas =
+      persistent_ctas(reinterpret_cast<const void*>(kernel), 32 * W, smem, p.n_out / 16, row_blocks);
+  launch_overlapped(kernel, dim3(row_blocks, ctas), 32 * W, smem, stream, p);
+}
+
+// The launch's choices, none of which changes a row's bits except the warps (see `Plan`).
+struct Plan {
+  int nt;      // 8-row n-tiles a CTA: 1 up to 8 rows, 2 up to 16, past that 2 or 4
+  int warps;   // 8, or 16: the order of a tile's sums, so a function of the weight and the GPU (and, outside the
+               // batch-invariant decode, of the rows)
+  bool stage;  // x's rows staged in shared memory (where they fit beside the ring: smem_fits)
+};
+
+// H200, q4a / q8s g128, the 8B projections at 1 to 64 rows (benchmarks/packed_linear_variants.sh,
+// results/packed_linear_variants_h200.json):
+// - 16 warps a CTA where one round of two such CTAs an SM covers the tiles (o and down: 256 tiles) and a CTA has
+//   one n-tile: each warp's part of a tile's reduction, a chain of dependent MMAs, is half as long (o 7.8 -> 6.9 us
+//   at one row, down 16.5 -> 14.9; at 8 rows o 9.3 -> 6.9, down 28.6 -> 20.0); at 16 rows and more they were 20-30%
+//   slower, and with 384 tiles (qkv: two rounds) slower too. The batch-invariant decode keeps 8 warps at every
+//   size, so that a row's bits never depend on the batch.
+// - x staged in shared memory costs occupancy (one CTA an SM at 8 and 16 rows of K = 4096) and, for int4, x's
+//   sums per scale period once a CTA: it pays where a CTA has many tiles (int4: the LM head at 8 and 16 rows,
+//   173 -> 130 and 242 -> 187 us; gate/up at 8 rows, 43 -> 35) and at int8 (o, qkv, gate/up, LM head at 8 and 16
+//   rows, 10-30%), not for int4 weights of few tiles (o at 16 rows 12.5 -> 29.4 us).
+// - past 16 rows, two row blocks of 16 staged rows where staging pays (the LM head: int4 440 -> 353 us at 32 rows,
+//   853 -> 687 at 64), else blocks of 32 rows read x from L2.
+template <int L>
+Plan plan_for(const PackedLinearParams& p) {
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int tiles = p.n_out / 16;
+  const bool int8 = L == kQ8sMma;
+  const auto stage_pays = [&](int nt) { return int8 || tiles >= (nt == 1 ? 8 : 30) * sms; };
+  Plan plan{};
+  plan.nt = p.m <= 8 ? 1 : p.m <= 16 ? 2 : (stage_pays(2) && !p.glu ? 2 : 4);
+  plan.warps = !p.invariant && plan.nt == 1 && tiles <= 2 * sms ? 16 : 8;
+  plan.stage = stage_pays(plan.nt);
+  return plan;
 }
 
 // Dynamic shared memory: the ring, then (staged) x's rows and, for int4, their sums over each scale period.
-template <int L, int NT, int GS, int G>
-void launch_glu(const PackedLinearParams& p, cudaStream_t stream) {
+template <int L, int NT, int GS, int G, int W>
+void launch_glu(const PackedLinearParams& p, bool stage, cudaStream_t stream) {
   const size_t rows = static_cast<size_t>(p.m < 8 * NT ? p.m : 8 * NT);
-  const size_t stage = rows * (p.k + 8) * 2;
+  const size_t staged = rows * (p.k + 8) * 2;
   const size_t sums = L != kQ8sMma ? rows * (p.k / (16 * GS)) * 4 : 0;
-  const size_t ring = Ring<L, GS, G>::kBytes;
-  if (stage <= kStageBytes &&
-      smem_fits(reinterpret_cast<const void*>(packed_linear_kernel<L, NT, GS, G, true>), ring + stage + sums))
-    launch_kernel<L, NT, GS, G, true>(p, ring + stage + sums, stream);
+  const size_t ring = Ring<L, GS, G, W>::kBytes;
+  if (stage &&
+      smem_fits(reinterpret_cast<const void*>(packed_linear_kernel<L, NT, GS, G, true, W>), ring + staged + sums))
+    launch_kernel<L, NT, GS, G, true, W>(p, ring + staged + sums, stream);
   else
-    launch_kernel<L, NT, GS, G, false>(p, ring, stream);
+    launch_kernel<L, NT, GS, G, false, W>(p, ring, stream);
 }
 
 template <int L, int NT, int GS>
-int launch_rows(const PackedLinearParams& p, cudaStream_t stream) {
-  if (p.glu) launch_glu<L, NT, GS, 2>(p, stream); else launch_glu<L, NT, GS, 1>(p, stream);
+int launch_rows(const PackedLinearParams& p, const Plan& plan, cudaStream_t stream) {
+  if (p.glu) {
+    if (plan.warps == 16) launch_glu<L, NT, GS, 2, 16>(p, plan.stage, stream);
+    else launch_glu<L, NT, GS, 2, 8>(p, plan.stage, stream);
+  } else {
+    if (plan.warps == 16) launch_glu<L, NT, GS, 1, 16>(p, plan.stage, stream);
+    else launch_glu<L, NT, GS, 1, 8>(p, plan.stage, stream);
+  }
   return 0;
 }
 
 template <int L, int GS>
 int launch_layout(const PackedLinearParams& p, cudaStream_t stream) {
-  // Rows per CTA: 8 for one n-tile, up to 32 (more rows: more blocks of 32, their weight tiles shared in L2).
-  if (p.m <= 8) return launch_rows<L, 1, GS>(p, stream);
-  if (p.m <= 16) return launch_rows<L, 2, GS>(p, stream);
-  return launch_rows<L, 4, GS>(p, stream);
+  const Plan plan = plan_for<L>(p);
+  if (plan.nt == 1) return launch_rows<L, 1, GS>(p, plan, stream);
+  if (plan.nt == 2) return launch_rows<L, 2, GS>(p, plan, stream);
+  return launch_rows<L, 4, GS>(p, plan, stream);
 }
 
 }  // namespace
@@ -872,12 +962,19 @@ int fp8_linear_launch(const Fp8LinearParams& p, cudaStream_t stream) {
   const size_t stage = static_cast<size_t>(p.m) * (p.k + 16);
   const size_t ring = 2 * kFp8Stages * kThreads * 16;
   const bool staged =
-      stage <= kStageBytes && smem_fits(reinterpret_cast<const void*>(fp8_linear_kernel<true>), ring + stage);
+      stage <= kFp8StageBytes && smem_fits(reinterpret_cast<const void*>(fp8_linear_kernel<true>), ring + stage);
   auto kernel = staged ? fp8_linear_kernel<true> : fp8_linear_kernel<false>;
   const size_t smem = staged ? ring + stage : ring;
   allow_smem(reinterpret_cast<const void*>(kernel), smem);
-  const dim3 grid(1, persistent_ctas(reinterpret_cast<const void*>(kernel), smem, p.n / 16, 1));
-  launch_overlapped(kernel, grid, smem, stream, p);
+  const dim3 grid(1, persistent_ctas(reinterpret_cast<const void*>(kernel), kThreads, smem, p.n / 16, 1));
+  launch_overlapped(kernel, grid, kThreads, smem, stream, p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int quantize_rows_launch(const QuantizeRowsParams& p, cudaStream_t stream) {
+  if (p.k <= 0 || p.k % 8 != 0 || p.m < 0) return -1;
+  if (p.m == 0) return 0;
+  quantize_rows_kernel<<<p.m, kThreads, 0, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -34,6 +34,7 @@ struct PackedLinearParams {
   float* ss_out;
   int m, n_out, k, group, layout;
   bool glu;
+  bool invariant;  // the batch-invariant decode: every launch choice that sets a row's bits independent of M
 };
 
 // y = x @ W^T with x's rows quantized to e4m3 (a float32 scale each, max |x| / 448) and an e4m3 weight [N, K]
@@ -47,6 +48,17 @@ struct Fp8LinearParams {
   void* out;
   int64_t stride_o;
   int m, n, k;
+  bool bf16;
+};
+
+// Each row of x [M, K] (bf16, or fp16 with `bf16` false; 16-byte aligned rows, K a multiple of 8) quantized to
+// e4m3 `q` [M, K] (contiguous) with its float32 scale `scales` [M], as the FP8 kernel quantizes its rows.
+struct QuantizeRowsParams {
+  const void* x;
+  int64_t stride_x;
+  void* q;
+  float* scales;
+  int m, k;
   bool bf16;
 };
 
@@ -75,5 +87,6 @@ bool fp8_linear_supported(int n, int k);
 int packed_linear_launch(const PackedLinearParams& p, cudaStream_t stream);
 int fp8_linear_launch(const Fp8LinearParams& p, cudaStream_t stream);
 int unpack_launch(const UnpackParams& p, cudaStream_t stream);
+int quantize_rows_launch(const QuantizeRowsParams& p, cudaStream_t stream);
 
 }  // namespace onecopy_native
