@@ -869,21 +869,28 @@ struct Plan {
 //   slower, and with 384 tiles (qkv: two rounds) slower too. The batch-invariant decode keeps 8 warps at every
 //   size, so that a row's bits never depend on the batch.
 // - x staged in shared memory costs occupancy (one CTA an SM at 8 and 16 rows of K = 4096) and, for int4, x's
-//   sums per scale period once a CTA: it pays where a CTA has many tiles (int4: the LM head at 8 and 16 rows,
-//   173 -> 130 and 242 -> 187 us; gate/up at 8 rows, 43 -> 35) and at int8 (o, qkv, gate/up, LM head at 8 and 16
-//   rows, 10-30%), not for int4 weights of few tiles (o at 16 rows 12.5 -> 29.4 us).
-// - past 16 rows, two row blocks of 16 staged rows where staging pays (the LM head: int4 440 -> 353 us at 32 rows,
-//   853 -> 687 at 64), else blocks of 32 rows read x from L2.
-template <int L>
+//   sums per scale period once a CTA: one row always pays for it (gate/up 36.8 -> 26.0 us, down 18.4 -> 14.9); more
+//   rows pay where a CTA has many weight tiles (int4: gate/up's 2 x 896 and the LM head at 8 rows, 43 -> 35 and
+//   173 -> 130 us; the LM head at 16, 242 -> 187) and at int8 (o, qkv, gate/up, LM head at 8 and 16 rows,
+//   10-30%), not for int4 weights of few tiles (o at 16 rows 12.5 -> 29.4 us).
+// - past 16 rows, two row blocks of 16 staged rows where staging pays and fits (the LM head: int4 440 -> 353 us at
+//   32 rows, 853 -> 687 at 64), else blocks of 32 rows read x from L2 (int8 down, K = 14336: 57 us, not 84).
+template <int L, int GS>
 Plan plan_for(const PackedLinearParams& p) {
-  int device = 0, sms = 0;
+  int device = 0, sms = 0, optin = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  const int tiles = p.n_out / 16;
+  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  const int tiles = p.n_out / 16, weight_tiles = (p.glu ? 2 : 1) * tiles;
   const bool int8 = L == kQ8sMma;
-  const auto stage_pays = [&](int nt) { return int8 || tiles >= (nt == 1 ? 8 : 30) * sms; };
+  const auto stage_pays = [&](int nt) {
+    return p.m == 1 || int8 || weight_tiles >= (nt == 1 ? 8 : 30) * sms;
+  };
+  // 16 staged rows beside the largest ring and the static buffers (an estimate; launch_glu checks the kernel's own)
+  const int64_t staged16 = 16 * (static_cast<int64_t>(p.k) + 8) * 2 + (int8 ? 0 : 16 * (p.k / (16 * GS)) * 4);
+  const bool fits16 = staged16 + 72 * 1024 + 24 * 1024 <= optin;
   Plan plan{};
-  plan.nt = p.m <= 8 ? 1 : p.m <= 16 ? 2 : (stage_pays(2) && !p.glu ? 2 : 4);
+  plan.nt = p.m <= 8 ? 1 : p.m <= 16 ? 2 : (stage_pays(2) && fits16 && !p.glu ? 2 : 4);
   plan.warps = !p.invariant && plan.nt == 1 && tiles <= 2 * sms ? 16 : 8;
   plan.stage = stage_pays(plan.nt);
   return plan;
@@ -917,7 +924,7 @@ int launch_rows(const PackedLinearParams& p, const Plan& plan, cudaStream_t stre
 
 template <int L, int GS>
 int launch_layout(const PackedLinearParams& p, cudaStream_t stream) {
-  const Plan plan = plan_for<L>(p);
+  const Plan plan = plan_for<L, GS>(p);
   if (plan.nt == 1) return launch_rows<L, 1, GS>(p, plan, stream);
   if (plan.nt == 2) return launch_rows<L, 2, GS>(p, plan, stream);
   return launch_rows<L, 4, GS>(p, plan, stream);
