@@ -186,9 +186,10 @@ def test_native_unpack_equals_the_torch_dequantization():
 
 
 def test_native_fp8_linear_matches_the_scaled_mm_reference():
-    """FP8 weights: the GEMV kernel (up to 8 rows; each row quantized to e4m3 as it is read) against float64
-    of the same quantized operands; its rows' bits independent of the batch; past 8 rows the op runs
-    `quantize_rows` + ``_scaled_mm`` bit for bit as the torch path does."""
+    """FP8 weights: the GEMV kernel (up to 16 rows; each row quantized to e4m3 as it is read; 8- and 16-warp CTAs
+    by the weight's tiles) against float64 of the same quantized operands; its rows' bits independent of the
+    batch; past 16 rows the op quantizes the rows in one kernel and runs ``_scaled_mm``, bit for bit
+    `quantize_rows` + ``_scaled_mm`` as the torch path does."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 tensor cores: sm_89+")
     from onecopy.kernels import native
@@ -199,7 +200,7 @@ def test_native_fp8_linear_matches_the_scaled_mm_reference():
     for n, k in ((4096, 4096), (1024, 576), (6144, 14336)):
         w = quantize_weight(torch.randn(n, k) / k ** 0.5, "fp8", k)
         qw, sw = w.qweight.cuda(), w.scales.cuda()
-        for m in (1, 3, 5, 8):
+        for m in (1, 3, 5, 8, 12, 16):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
             got = native.fp8_linear(x, qw, sw)
             q, s = quantize_rows(x)
@@ -211,14 +212,15 @@ def test_native_fp8_linear_matches_the_scaled_mm_reference():
                 cublas = torch._scaled_mm(q, qw.t(), scale_a=s, scale_b=sw.reshape(1, -1), out_dtype=x.dtype).double()
                 raise AssertionError((n, k, m, err, scale, rows, alone, float((cublas - ref).abs().max())))
             assert got.dtype == torch.bfloat16
-        x = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(native.FP8_MAX_ROWS, k, device="cuda", dtype=torch.bfloat16)
         whole = native.fp8_linear(x, qw, sw)
-        for lo, hi in ((3, 4), (0, 5), (2, 8)):
+        for lo, hi in ((3, 4), (0, 5), (2, 8), (1, 13), (0, 16)):
             assert torch.equal(whole[lo:hi], native.fp8_linear(x[lo:hi], qw, sw)), (n, k, lo, hi)
-        x = torch.randn(9, k, device="cuda", dtype=torch.bfloat16)
-        q, s = quantize_rows(x)
-        want = torch._scaled_mm(q, qw.t(), scale_a=s, scale_b=sw.reshape(1, -1), out_dtype=x.dtype)
-        assert torch.equal(native.fp8_linear(x, qw, sw), want)
+        for m in (native.FP8_MAX_ROWS + 1, 40):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            q, s = quantize_rows(x)
+            want = torch._scaled_mm(q, qw.t(), scale_a=s, scale_b=sw.reshape(1, -1), out_dtype=x.dtype)
+            assert torch.equal(native.fp8_linear(x, qw, sw), want), (n, k, m)
 
 
 def test_native_fp8_kernel_quantizes_every_value_as_quantize_rows():

@@ -561,21 +561,26 @@ __device__ __forceinline__ float half_f(uint16_t v, bool bf16) {
   return bf16 ? __uint_as_float(static_cast<uint32_t>(v) << 16) : __half2float(__ushort_as_half(v));
 }
 
-// FP8: one CTA per 16 output features and up to 8 rows (one n-tile), 8 warps over 64-value chunks. Each row of x is quantized as models/packed.py's
-// quantize_rows does on CUDA (scale = max |x| * fl(1 / 448), e4m3(x / scale)): the CTA finds the rows' maxima together, then
-// stages the e4m3 rows in shared memory (S) or, for rows too wide for it, quantizes them again as it reads them.
-// A thread's 16 bytes of weight row g (and g + 8) at values 16 t.. of a chunk are its A fragments for two k32
-// steps, x's row g the same values its B fragments: the reduction index permuted alike in A and B (as above),
-// with the weight as stored (row-major, which cuBLAS's FP8 GEMM reads for more rows).
-constexpr int kFp8Stages = 6;  // 48 KB of ring (32 bytes a thread and stage): four CTAs an SM
-constexpr size_t kFp8StageBytes = 64 * 1024;  // e4m3 rows staged up to this many bytes (more: quantized as read)
+// FP8: CTAs persistent over 16-output-feature tiles, up to 16 rows (NT n-tiles of 8), W warps over 64-value chunks.
+// Each row of x is quantized as models/packed.py's quantize_rows does on CUDA (scale = max |x| * fl(1 / 448),
+// e4m3(x / scale)): the CTA finds the rows' maxima together, then stages the e4m3 rows in shared memory (S) or, for
+// rows too wide for it, quantizes them again as it reads them. A thread's 16 bytes of weight row g (and g + 8) at
+// values 16 t.. of a chunk are its A fragments for two k32 steps, x's row g the same values its B fragments: the
+// reduction index permuted alike in A and B (as above), with the weight as stored (row-major, which cuBLAS's FP8
+// GEMM reads for more rows). As the packed kernel: 16 warps for weights of few tiles (`fp8_warps`), one barrier a
+// tile at 8 rows, the epilogue over the lanes. No batch-invariant decode takes FP8 weights, but a row's bits still
+// do not depend on the rows beside it: the warps and the order of the sums depend on the weight's shape alone.
+constexpr int kFp8RingBytes = 48 * 1024;        // 6 stages of an 8-warp CTA (32 bytes a thread and stage)
+constexpr size_t kFp8StageBytes = 72 * 1024;   // e4m3 rows staged up to this many bytes (more: quantized as read)
 
-template <bool S>
-__global__ void __launch_bounds__(kThreads) fp8_linear_kernel(Fp8LinearParams p) {
-  constexpr int NT = 1;  // n-tiles of 8 rows: kFp8MaxRows rows, cuBLAS's FP8 GEMM past them
+template <bool S, int W, int NT>
+__global__ void __launch_bounds__(32 * W, (NT == 1 ? 4 : 2) * 8 / W) fp8_linear_kernel(Fp8LinearParams p) {
+  constexpr int kWarps = W;
+  constexpr int kThreads = 32 * W;
+  constexpr int kStages = kFp8RingBytes / (kThreads * 32);
   constexpr int kAcc = NT * 4;
   constexpr int kRows = 8 * NT;
-  __shared__ float red[4 * kAcc * 32];
+  __shared__ float red[NT == 1 ? 2 * W * kAcc * 32 : W / 2 * kAcc * 32];
   __shared__ float fin[16][kRows + 1];
   __shared__ float wmax[kWarps][kRows];
   __shared__ float xscale[kRows];
@@ -603,11 +608,11 @@ __global__ void __launch_bounds__(kThreads) fp8_linear_kernel(Fp8LinearParams p)
       }
     }
     copies_commit();
-    wr = wr + 1 == kFp8Stages ? 0 : wr + 1;
+    wr = wr + 1 == kStages ? 0 : wr + 1;
   };
   allow_dependents();
 #pragma unroll
-  for (int i = 0; i < kFp8Stages - 1; ++i) issue_next();  // in flight while the rows' scales are found
+  for (int i = 0; i < kStages - 1; ++i) issue_next();  // in flight while the rows' scales are found
   wait_for_inputs();
   for (int r = 0; r < kRows; ++r) {  // every thread 8 values at a time; max is exact in any order
     float a = 0.f;
@@ -648,7 +653,7 @@ __global__ void __launch_bounds__(kThreads) fp8_linear_kernel(Fp8LinearParams p)
                            half_f(h1[4 * i + 2], p.bf16) / s, half_f(h1[4 * i + 3], p.bf16) / s);
     }
   };
-  uint8_t* xq = reinterpret_cast<uint8_t*>(staged + 2 * kFp8Stages * kThreads);  // after the ring
+  uint8_t* xq = reinterpret_cast<uint8_t*>(staged + 2 * kStages * kThreads);  // after the ring
   if constexpr (S) {
     const int per_row = p.k / 16;
     for (int i = threadIdx.x; i < p.m * per_row; i += kThreads) {
@@ -659,48 +664,70 @@ __global__ void __launch_bounds__(kThreads) fp8_linear_kernel(Fp8LinearParams p)
     }
     __syncthreads();
   }
-  const int xr = min(g, p.m - 1);  // past the last row, that row again (its MMA column is never written out)
-  int rd = 0;
+  int xr[NT];  // past the last row, that row again (its MMA column is never written out)
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) xr[nt] = min(nt * 8 + g, p.m - 1);
+  int rd = 0, tiles_done = 0;
   for (int tile = blockIdx.y; tile < tiles; tile += gridDim.y) {
     float acc[NT][4] = {};
     for (int c = warp; c < chunks; c += kWarps) {
       issue_next();
-      copies_wait<kFp8Stages - 1>();
+      copies_wait<kStages - 1>();
       const uint4 lo = ring[(2 * rd) * kThreads + threadIdx.x], hi = ring[(2 * rd + 1) * kThreads + threadIdx.x];
-      rd = rd + 1 == kFp8Stages ? 0 : rd + 1;
-      uint32_t b[4];
-      if constexpr (S) {
-        const uint4 v = *reinterpret_cast<const uint4*>(xq + xr * sk + c * 64 + 16 * t);
-        b[0] = v.x; b[1] = v.y; b[2] = v.z; b[3] = v.w;
-      } else {
-        quantize16(xr, c * 64 + 16 * t, b);
+      rd = rd + 1 == kStages ? 0 : rd + 1;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        uint32_t b[4];
+        if constexpr (S) {
+          const uint4 v = *reinterpret_cast<const uint4*>(xq + xr[nt] * sk + c * 64 + 16 * t);
+          b[0] = v.x; b[1] = v.y; b[2] = v.z; b[3] = v.w;
+        } else {
+          quantize16(xr[nt], c * 64 + 16 * t, b);
+        }
+        mma_fp8(acc[nt], lo.x, hi.x, lo.y, hi.y, b[0], b[1]);
+        mma_fp8(acc[nt], lo.z, hi.z, lo.w, hi.w, b[2], b[3]);
       }
-      mma_fp8(acc[0], lo.x, hi.x, lo.y, hi.y, b[0], b[1]);
-      mma_fp8(acc[0], lo.z, hi.z, lo.w, hi.w, b[2], b[3]);
     }
     float* flat = &acc[0][0];
-    reduce_warps<kWarps, kAcc>(reinterpret_cast<float(&)[kAcc]>(*flat), red, warp, lane);
+    if constexpr (NT == 1) {  // one barrier a tile, as the packed kernel's
+      float* rb = red + (tiles_done & 1) * kWarps * kAcc * 32;
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) rb[(warp * kAcc + i) * 32 + lane] = flat[i];
+      __syncthreads();
+      if (warp == 0) {
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) flat[i] = tree_sum<W, kAcc * 32>(rb + i * 32 + lane);
+      }
+    } else {
+      reduce_warps<W, kAcc>(reinterpret_cast<float(&)[kAcc]>(*flat), red, warp, lane);
+    }
+    ++tiles_done;
     if (warp == 0) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) fin[g + 8 * (e >> 1)][2 * t + (e & 1)] = acc[0][e];
-      __syncwarp();
-      const int r = lane, f0 = tile * 16;
-      if (r < p.m) {
-        const float xs = xscale[r];
-        uint32_t outw[8];
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int f = 0; f < 16; f += 2) {
-          const float y0 = fin[f][r] * (xs * p.ws[f0 + f]), y1 = fin[f + 1][r] * (xs * p.ws[f0 + f + 1]);
-          if (p.bf16) {
-            outw[f / 2] = pack_bf16(y0, y1);
-          } else {
-            __half2 hv = __floats2half2_rn(y0, y1);
-            outw[f / 2] = *reinterpret_cast<uint32_t*>(&hv);
-          }
-        }
-        uint4* o = reinterpret_cast<uint4*>(static_cast<uint16_t*>(p.out) + r * p.stride_o + f0);
-        o[0] = make_uint4(outw[0], outw[1], outw[2], outw[3]);
-        o[1] = make_uint4(outw[4], outw[5], outw[6], outw[7]);
+        for (int e = 0; e < 4; ++e) fin[g + 8 * (e >> 1)][nt * 8 + 2 * t + (e & 1)] = acc[nt][e];
+      __syncwarp();
+      const int f0 = tile * 16;
+      // outputs q0 .. q0 + 3 of row r
+      auto quarter = [&](int r, int q0) {
+        const float xs = xscale[r];
+        float y[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) y[i] = fin[q0 + i][r] * (xs * p.ws[f0 + q0 + i]);
+        if (p.bf16) return make_uint2(pack_bf16(y[0], y[1]), pack_bf16(y[2], y[3]));
+        __half2 a = __floats2half2_rn(y[0], y[1]), b = __floats2half2_rn(y[2], y[3]);
+        return make_uint2(*reinterpret_cast<uint32_t*>(&a), *reinterpret_cast<uint32_t*>(&b));
+      };
+      uint16_t* out = static_cast<uint16_t*>(p.out);
+      if constexpr (NT == 1) {  // lanes 4 r .. 4 r + 3: a quarter of row r's 16 outputs each
+        const int r = lane >> 2, q0 = 4 * (lane & 3);
+        if (r < p.m) *reinterpret_cast<uint2*>(out + r * p.stride_o + f0 + q0) = quarter(r, q0);
+      } else {
+        const int r = lane;
+        if (r < p.m)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) *reinterpret_cast<uint2*>(out + r * p.stride_o + f0 + 4 * q) = quarter(r, 4 * q);
       }
       __syncwarp();
     }
@@ -963,18 +990,36 @@ int packed_linear_launch(const PackedLinearParams& p, cudaStream_t stream) {
   return static_cast<int>(cudaGetLastError());
 }
 
+// Warps an FP8 CTA: 16 where two such CTAs an SM cover the tiles in one round (a warp's share of a tile halves).
+inline int fp8_warps(int tiles) {
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return tiles <= 2 * sms ? 16 : 8;
+}
+
+template <int W, int NT>
+void fp8_launch(const Fp8LinearParams& p, cudaStream_t stream) {
+  const size_t stage = static_cast<size_t>(p.m) * (p.k + 16);
+  const size_t ring = kFp8RingBytes;
+  const bool staged =
+      stage <= kFp8StageBytes && smem_fits(reinterpret_cast<const void*>(fp8_linear_kernel<true, W, NT>), ring + stage);
+  auto kernel = staged ? fp8_linear_kernel<true, W, NT> : fp8_linear_kernel<false, W, NT>;
+  const size_t smem = staged ? ring + stage : ring;
+  allow_smem(reinterpret_cast<const void*>(kernel), smem);
+  const dim3 grid(1, persistent_ctas(reinterpret_cast<const void*>(kernel), 32 * W, smem, p.n / 16, 1));
+  launch_overlapped(kernel, grid, 32 * W, smem, stream, p);
+}
+
 int fp8_linear_launch(const Fp8LinearParams& p, cudaStream_t stream) {
   if (!fp8_linear_supported(p.n, p.k) || p.m > kFp8MaxRows) return -1;
   if (p.m == 0) return 0;
-  const size_t stage = static_cast<size_t>(p.m) * (p.k + 16);
-  const size_t ring = 2 * kFp8Stages * kThreads * 16;
-  const bool staged =
-      stage <= kFp8StageBytes && smem_fits(reinterpret_cast<const void*>(fp8_linear_kernel<true>), ring + stage);
-  auto kernel = staged ? fp8_linear_kernel<true> : fp8_linear_kernel<false>;
-  const size_t smem = staged ? ring + stage : ring;
-  allow_smem(reinterpret_cast<const void*>(kernel), smem);
-  const dim3 grid(1, persistent_ctas(reinterpret_cast<const void*>(kernel), kThreads, smem, p.n / 16, 1));
-  launch_overlapped(kernel, grid, kThreads, smem, stream, p);
+  const bool wide = fp8_warps(p.n / 16) == 16;
+  if (p.m <= 8) {
+    if (wide) fp8_launch<16, 1>(p, stream); else fp8_launch<8, 1>(p, stream);
+  } else {
+    if (wide) fp8_launch<16, 2>(p, stream); else fp8_launch<8, 2>(p, stream);
+  }
   return static_cast<int>(cudaGetLastError());
 }
 
