@@ -186,10 +186,10 @@ def test_native_unpack_equals_the_torch_dequantization():
 
 
 def test_native_fp8_linear_matches_the_scaled_mm_reference():
-    """FP8 weights: the GEMV kernel (up to 16 rows; each row quantized to e4m3 as it is read; 8- and 16-warp CTAs
-    by the weight's tiles) against float64 of the same quantized operands; its rows' bits independent of the
-    batch; past 16 rows the op quantizes the rows in one kernel and runs ``_scaled_mm``, bit for bit
-    `quantize_rows` + ``_scaled_mm`` as the torch path does."""
+    """FP8 weights: the GEMV kernel (up to 8 rows; each row quantized to e4m3 as it is read; 8- and 16-warp CTAs
+    by the weight's tiles) and, past 8 rows, cuBLAS's FP8 GEMM, against float64 of the same quantized operands;
+    the kernel's rows' bits independent of the batch; past 8 rows the op quantizes the rows in one kernel and
+    runs ``_scaled_mm``, bit for bit `quantize_rows` + ``_scaled_mm`` as the torch path does."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 tensor cores: sm_89+")
     from onecopy.kernels import native
@@ -214,7 +214,7 @@ def test_native_fp8_linear_matches_the_scaled_mm_reference():
             assert got.dtype == torch.bfloat16
         x = torch.randn(native.FP8_MAX_ROWS, k, device="cuda", dtype=torch.bfloat16)
         whole = native.fp8_linear(x, qw, sw)
-        for lo, hi in ((3, 4), (0, 5), (2, 8), (1, 13), (0, 16)):
+        for lo, hi in ((3, 4), (0, 5), (2, 8)):
             assert torch.equal(whole[lo:hi], native.fp8_linear(x[lo:hi], qw, sw)), (n, k, lo, hi)
         for m in (native.FP8_MAX_ROWS + 1, 40):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

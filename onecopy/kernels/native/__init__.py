@@ -31,7 +31,7 @@ from ...layouts import MMA_LAYOUT_IDS
 LIBRARY = "onecopy_native"
 _SOURCES = ("ops.cpp", "decode_q8.cu", "packed_linear.cu")
 KERNEL_MAX_ROWS = 32  # kKernelMaxRows: the packed-projection op's kernel rows (more: unpack + cuBLAS)
-FP8_MAX_ROWS = 16  # kFp8MaxRows: the FP8 GEMV kernel's rows; the op runs cuBLAS's FP8 GEMM for more
+FP8_MAX_ROWS = 8  # kFp8MaxRows: the FP8 GEMV kernel's rows; the op runs cuBLAS's FP8 GEMM for more
 # Whether traced or eager projections may call these kernels (the KV decode has its own switch, the model's
 # ``native_kernels``): the export sets it for the methods it traces (``native_kernels=False`` keeps Triton and
 # cuBLAS, the comparison). Per context, not per process.

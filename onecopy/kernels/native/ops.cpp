@@ -235,7 +235,7 @@ std::tuple<at::Tensor, at::Tensor> packed_linear(const at::Tensor& x_in, const a
 }
 
 // x's rows quantized to e4m3 (models/packed.py's quantize_rows) times an FP8 weight [N, K] (e4m3, a float32 scale
-// per output feature): the GEMV kernel for up to kFp8MaxRows (16) rows (it quantizes the rows as it reads them),
+// per output feature): the GEMV kernel for up to kFp8MaxRows (8) rows (it quantizes the rows as it reads them),
 // the same quantization in ATen and torch._scaled_mm (cuBLAS) for more.
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ws) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) &&

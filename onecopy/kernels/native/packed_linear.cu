@@ -561,7 +561,8 @@ __device__ __forceinline__ float half_f(uint16_t v, bool bf16) {
   return bf16 ? __uint_as_float(static_cast<uint32_t>(v) << 16) : __half2float(__ushort_as_half(v));
 }
 
-// FP8: CTAs persistent over 16-output-feature tiles, up to 16 rows (NT n-tiles of 8), W warps over 64-value chunks.
+// FP8: CTAs persistent over 16-output-feature tiles, NT n-tiles of 8 rows (one: kFp8MaxRows; two measured slower
+// than cuBLAS at 16 rows), W warps over 64-value chunks.
 // Each row of x is quantized as models/packed.py's quantize_rows does on CUDA (scale = max |x| * fl(1 / 448),
 // e4m3(x / scale)): the CTA finds the rows' maxima together, then stages the e4m3 rows in shared memory (S) or, for
 // rows too wide for it, quantizes them again as it reads them. A thread's 16 bytes of weight row g (and g + 8) at
@@ -1014,12 +1015,7 @@ void fp8_launch(const Fp8LinearParams& p, cudaStream_t stream) {
 int fp8_linear_launch(const Fp8LinearParams& p, cudaStream_t stream) {
   if (!fp8_linear_supported(p.n, p.k) || p.m > kFp8MaxRows) return -1;
   if (p.m == 0) return 0;
-  const bool wide = fp8_warps(p.n / 16) == 16;
-  if (p.m <= 8) {
-    if (wide) fp8_launch<16, 1>(p, stream); else fp8_launch<8, 1>(p, stream);
-  } else {
-    if (wide) fp8_launch<16, 2>(p, stream); else fp8_launch<8, 2>(p, stream);
-  }
+  if (fp8_warps(p.n / 16) == 16) fp8_launch<16, 1>(p, stream); else fp8_launch<8, 1>(p, stream);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -77,8 +77,10 @@ struct UnpackParams {
 // the batch-invariant decode. H200, 8B projections (benchmarks/results/native_linear_h200.json): the kernel is
 // ahead up to 16 rows and 1.3-2x behind bf16 cuBLAS at 64, where unpacking costs a write and a read of bf16.
 constexpr int kKernelMaxRows = 32;
-// Rows the FP8 kernel takes (two n-tiles; past that cuBLAS's FP8 GEMM, its rows quantized by one kernel).
-constexpr int kFp8MaxRows = 16;
+// Rows the FP8 kernel takes (one n-tile; past that cuBLAS's FP8 GEMM, its rows quantized by one kernel: at 16 rows
+// the kernel's two n-tiles measured 1.3-1.6x cuBLAS's time on the 4096-wide projections, H200,
+// results/native_linear_fp8_h200.json).
+constexpr int kFp8MaxRows = 8;
 
 // Whether the kernels take this weight: layout, group, shape (N a multiple of 16, K of the layout's chunk).
 bool packed_linear_supported(int layout, int group, int n, int k);
