@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -232,7 +233,7 @@ def _cmd_info(a: argparse.Namespace) -> int:
         kinds: dict[str, list[int]] = {}
         for name, p in m.packed.items():
             key = f"{p['layout']} g{p['group']}" + (f" from {p['source']}" if p.get("source") else "")
-            floats = p["shape"][0] * p["shape"][1]
+            floats = math.prod(p["shape"])
             held = sum(m.weights[f].nbytes for f in m.packed_fqns(name))
             acc = kinds.setdefault(key, [0, 0, 0])
             acc[0], acc[1], acc[2] = acc[0] + 1, acc[1] + held, acc[2] + floats

@@ -27,23 +27,25 @@ GROUPS = (16, 32, 64, 128)  # values per scale the kernels read (a power of two,
 PACKED_PARTS = ("qweight", "scales", "mins")  # the buffers a packed layer holds, in this order
 
 
-def check_packed(layout: str, group: int, shape: tuple[int, int], qweight: torch.Tensor, scales: torch.Tensor,
+def check_packed(layout: str, group: int, shape: tuple[int, ...], qweight: torch.Tensor, scales: torch.Tensor,
                  mins: torch.Tensor | None) -> None:
-    """Raise ValueError unless the tensors are a consistent ``layout`` weight of float shape ``shape``."""
+    """Raise ValueError unless the tensors are a consistent ``layout`` weight of float shape ``shape``: [N, K], or
+    [E, N, K] for a stack of experts (each [N, K] of the layout, the leading dims kept by every tensor)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown weight layout {layout!r}; this onecopy reads {', '.join(LAYOUTS)}")
     per_byte, affine = LAYOUTS[layout]
-    n, k = shape
+    *lead, n, k = shape
     want_q = {"q8s": torch.int8, "q8s_mma": torch.int8, "f8r": torch.float8_e4m3fn}.get(layout, torch.uint8)
-    tiles = layout not in MMA_LAYOUT_IDS or tiles_fit(layout, group, n, k)
+    tiles = layout not in MMA_LAYOUT_IDS or (not lead and tiles_fit(layout, group, n, k))
     ok = ((group == k if layout == "f8r" else group in GROUPS) and k % group == 0 and k % per_byte == 0 and tiles
           and qweight.dtype == want_q
-          and tuple(qweight.shape) == (n, k // per_byte) and scales.dtype == torch.float32
-          and tuple(scales.shape) == (n, k // group) and (mins is not None) == affine
+          and tuple(qweight.shape) == (*lead, n, k // per_byte) and scales.dtype == torch.float32
+          and tuple(scales.shape) == (*lead, n, k // group) and (mins is not None) == affine
           and (mins is None or (mins.dtype == torch.float32 and mins.shape == scales.shape)))
     if not ok:
         raise ValueError(f"a {layout} weight of shape {list(shape)}, group {group} needs qweight {want_q} "
-                         f"{[n, k // per_byte]} and float32 scales{' and mins' if affine else ''} {[n, k // group]}; "
+                         f"{[*lead, n, k // per_byte]} and float32 scales{' and mins' if affine else ''} "
+                         f"{[*lead, n, k // group]}; "
                          f"got qweight {qweight.dtype} {list(qweight.shape)}, scales {scales.dtype} {list(scales.shape)}"
                          f"{'' if mins is None else f', mins {list(mins.shape)}'} (groups: {GROUPS}; f8r: one per row, K; "
                          f"the _mma layouts: groups {MMA_GROUPS}, N a multiple of 16, K of {mma_chunk(layout)})")

@@ -94,8 +94,8 @@ def test_quantize_options_are_checked_before_anything_is_built(tmp_path, tiny_so
         onecopy.export(tiny_source, tmp_path / "b", quantize="int4", group_size=48, progress=False)
     with pytest.raises(ExportError, match="does not divide a weight's 64 inputs"):
         onecopy.export(tiny_source, tmp_path / "c", quantize="int8", group_size=128, progress=False)
-    with pytest.raises(ExportError, match="Llama family only"):
-        onecopy.export("tiny-qwen3.5", tmp_path / "d", quantize="int8", group_size=16, progress=False)
+    with pytest.raises(ExportError, match="group size 128 does not divide a weight's 64 inputs"):
+        onecopy.export("tiny-qwen3.5-moe", tmp_path / "d", quantize="int4", group_size=128, progress=False)
     assert list(tmp_path.iterdir()) == []  # nothing half-written
 
 

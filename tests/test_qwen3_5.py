@@ -291,6 +291,102 @@ def test_moe_decode_reads_only_the_routed_experts():
     assert any("mm" in line for line in expert_uses(wrapper("prefill")))
 
 
+@pytest.fixture(scope="module")
+def q35_int4():
+    """The MoE preset exported with --quantize int4 (group 32), and the eager model with the same packed layers."""
+    from onecopy.models.quantize import quantize_model
+
+    src = preset_source("tiny-qwen3.5-moe")
+    bundle = cached_bundle(src.name, max_seq_len=MAX_SEQ_LEN, quantize="int4", group_size=32)
+    model = _eager(src)
+    quantize_model(model, "int4", 32)
+    return bundle, model
+
+
+def test_quantized_moe_packs_the_experts_and_equals_the_eager_quantized_model(q35_int4):
+    """--quantize int4 on the MoE family: every projection and each layer's routed-expert stacks are packed
+    (the manifest records the stacks [E, N, K]; the routers stay float), the store holds each packed tensor once
+    for both methods, the memory report counts the experts' packed bytes, and the compiled prefill and decode
+    (and greedy generation) equal the eager model with the same packed layers."""
+    import zipfile
+
+    from onecopy.models.packed import PackedExperts, as_float_weights, packed_bytes
+    from onecopy.models.source import preset_source as _preset
+
+    bundle, model = q35_int4
+    cfg = _preset("tiny-qwen3.5-moe").config
+    m = json.loads((bundle / "manifest.json").read_text())
+    e, i, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.dim
+    assert m["packed"]["layers.1.mlp.experts.gate_up_proj"] == {"layout": "q4a", "group": 32, "shape": [e, 2 * i, d],
+                                                                "source": "int4 rtn"}
+    assert m["packed"]["layers.1.mlp.experts.down_proj"]["shape"] == [e, d, i]
+    assert m["weights"]["layers.1.mlp.experts.gate_up_proj.qweight"]["shape"] == [e, 2 * i, d // 2]
+    assert "layers.1.mlp.experts.gate_up_proj" not in m["weights"]  # no float copy beside the packed one
+    assert {"layers.0.linear_attn.in_proj", "layers.1.self_attn.wqkv", "layers.1.mlp.shared_expert.w13",
+            "lm_head"} <= set(m["packed"])
+    assert "layers.1.mlp.gate.weight" in m["weights"] and "layers.1.mlp.gate" not in m["packed"]  # the router
+    with onecopy.Engine.load(bundle) as engine, torch.no_grad():
+        s = engine.open_session()
+        got, want = s.prefill(PROMPT), model(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+        for j, t in enumerate([17, 200, 3]):
+            want = model(torch.tensor([[t]]), torch.tensor([len(PROMPT) + j]))
+            torch.testing.assert_close(s.decode(torch.tensor([t])), want, atol=ATOL, rtol=0)
+        q = "layers.1.mlp.experts.down_proj.qweight"
+        stored = engine.weights.get(q)
+        assert stored.dtype == torch.uint8 and list(stored.shape) == [e, d, i // 2]
+        assert engine.method("prefill").bound[q] == engine.method("decode").bound[q] == stored.data_ptr()
+        report = engine.memory_report()
+        peer = as_float_weights(engine.weights.as_map(m["weights"]), m["packed"], torch.float32)
+        layer = model.layers[1].mlp.experts.gate_up_proj
+        assert isinstance(layer, PackedExperts)
+        assert torch.equal(peer["layers.1.mlp.experts.gate_up_proj"], layer.rows(None, torch.float32))
+        ids = list(engine.open_session().generate_ids(PROMPT, GREEDY, stop_ids=[]))
+    assert report.packed_weight_bytes == sum(packed_bytes(tuple(p["shape"]), p["layout"], p["group"])
+                                             for p in m["packed"].values())
+    assert report.packed_weight_bytes < 0.25 * report.packed_as_float_bytes
+    eager = []
+    with torch.no_grad():
+        logits, pos = model(torch.tensor([PROMPT]), torch.arange(len(PROMPT))), len(PROMPT)
+        for _ in range(GREEDY.max_new_tokens):
+            eager.append(int(logits.argmax(-1)))
+            logits, pos = model(torch.tensor([[eager[-1]]]), torch.tensor([pos])), pos + 1
+    assert ids == eager
+    # the decode step still reads only the routed experts: the kernels that take their packed values gather
+    # them by the routing indices; no GEMM reads the stacks
+    import re
+
+    with zipfile.ZipFile(bundle / "methods" / "decode.pt2") as z:
+        wrapper = next(z.read(n).decode() for n in z.namelist() if n.endswith(".wrapper.cpp"))
+    uses = [line for line in wrapper.splitlines()
+            if re.search(r"mlp_experts_(gate_up|down)_proj_qweight(\.data_ptr|,)", line)]
+    assert len(uses) >= 2 * cfg.n_layers and all("cpp_fused" in line and "index" in line for line in uses)
+    assert not any("_mm" in line for line in uses)
+
+
+def test_packed_expert_stacks_quantize_each_expert_as_a_matrix_and_refuse_mismatched_scales():
+    """A stack [E, N, K] quantizes as each expert's [N, K] would (int8, int4, fp8), gathers dequantize the chosen
+    experts exactly, and scales shaped for another stack are refused by name."""
+    from onecopy.models.packed import PackedExperts, dequantize
+    from onecopy.models.quantize import quantize_experts, quantize_weight
+
+    torch.manual_seed(0)
+    w = torch.randn(3, 32, 64)
+    for mode in ("int8", "int4", "fp8"):
+        stack = quantize_experts(w, mode, 32)
+        for x in range(3):
+            alone = quantize_weight(w[x], mode, 32)
+            assert torch.equal(stack.qweight[x].view(torch.uint8), alone.qweight.view(torch.uint8)), mode
+            assert torch.equal(stack.rows(None, torch.float32)[x], dequantize(alone)), mode
+        idx = torch.tensor([[2, 0], [1, 1]])
+        assert torch.equal(stack.rows(idx, torch.float32), stack.rows(None, torch.float32)[idx]), mode
+    s = quantize_experts(w, "int4", 32)
+    with pytest.raises(ValueError, match=r"needs qweight torch.uint8 \[3, 32, 32\] and float32 scales and mins "
+                                         r"\[3, 32, 2\]; got qweight torch.uint8 \[3, 32, 32\], scales torch.float32 "
+                                         r"\[3, 32, 4\]"):
+        PackedExperts("q4a", 32, s.qweight, torch.zeros(3, 32, 4), torch.zeros(3, 32, 4))
+
+
 def test_the_35b_a3b_preset_has_the_published_shape():
     """The whole Qwen3.5-35B-A3B shape as a preset: 40 layers, three DeltaNet layers then one attention layer,
     256 experts of width 512 with 8 a token and a shared expert; built without memory, ~35B weights of which
@@ -310,6 +406,28 @@ def test_the_35b_a3b_preset_has_the_published_shape():
     active = total - experts + experts * cfg.num_experts_per_tok // cfg.num_experts - sizes["embed_tokens.weight"]
     assert 34e9 < total < 36.5e9 and 2.5e9 < active < 3.5e9, (total, active)
     assert preset_source("qwen3.5-35b-a3b").hf_state_dict == {}  # nothing drawn on the host
+
+
+def test_the_35b_a3b_shape_quantized_to_int4_fits_an_80_gb_gpu_with_room():
+    """--quantize int4 (group 128) of the whole shape, on meta: every projection and expert stack packed (the
+    experts are 32B of the 35B values), the routers, norms, convolutions and the embedding float: ~20 GB of device
+    weights against ~70 GB in bf16, so an H100 keeps ~55 GB for sessions."""
+    from onecopy.models.packed import PackedExperts
+    from onecopy.models.presets import PRESETS
+    from onecopy.models.quantize import packed_layers, quantize_model
+
+    cfg = PRESETS["qwen3.5-35b-a3b"].config
+    with torch.device("meta"):
+        model = qwen3_5.Qwen35(cfg, 4096, torch.bfloat16)
+    bf16 = sum(p.numel() * 2 for p in model.parameters())
+    quantize_model(model, "int4", 128)
+    layers = packed_layers(model)
+    assert sum(isinstance(m, PackedExperts) for m in model.modules()) == 2 * cfg.n_layers
+    assert len([n for n in layers if n.endswith("experts.gate_up_proj")]) == cfg.n_layers
+    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()] if t is not None)
+    floats = {n for n, p in model.named_parameters() if p.numel() > 1e6}
+    assert floats == {"embed_tokens.weight"}, floats  # nothing big stays float but the gathered embedding
+    assert 65e9 < bf16 < 73e9 and 18e9 < held < 22e9, (bf16, held)
 
 
 def test_on_device_random_weights_are_seeded_and_give_sane_logits():

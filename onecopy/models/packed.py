@@ -21,6 +21,7 @@ no batch-invariant decode (`activation_quantized`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -93,20 +94,29 @@ def dequantize(w: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     (`gguf_repack`). Traceable: the CPU and prefill graphs dequantize with it (a tile-ordered weight is
     read back to its stored order first)."""
     w = stored_order(w)
-    n, k = w.shape
-    q = w.qweight
-    if LAYOUTS[w.layout][0] == 2:
+    return dequantize_values(w.layout, w.group, w.qweight, w.scales, w.mins, dtype)
+
+
+def dequantize_values(layout: str, group: int, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`dequantize`'s arithmetic on a stored-order weight's tensors with any leading dims ([..., N, K / values per
+    byte] values and [..., N, K / group] scales -> [..., N, K]): a stack of experts, or the rows of it a step
+    gathers. Traceable."""
+    *lead, kb = qweight.shape
+    k = kb * LAYOUTS[layout][0]
+    q = qweight
+    if LAYOUTS[layout][0] == 2:
         q = torch.stack((q & 0x0F, q >> 4), dim=-1)  # low nibble first: k = 2i, then 2i + 1
-    q = q.reshape(n, k // w.group, w.group).to(torch.float32)
-    s = w.scales.reshape(n, k // w.group, 1)
-    if w.layout == "q4z":
+    q = q.reshape(*lead, k // group, group).to(torch.float32)
+    s = scales.reshape(*lead, k // group, 1)
+    if layout == "q4z":
         out = s * (q - 8.0)  # exact small integers; 8 - 8 is +0.0, as gguf's int8 0 is
-    elif w.layout in ("q8s", "f8r"):
+    elif layout in ("q8s", "f8r"):
         out = s * q
     else:
-        assert w.mins is not None
-        out = s * q + w.mins.reshape(n, k // w.group, 1)  # two ops, as gguf; s * q is exact, so an FMA agrees
-    return out.reshape(n, k).to(dtype)
+        assert mins is not None
+        out = s * q + mins.reshape(*lead, k // group, 1)  # two ops, as gguf; s * q is exact, so an FMA agrees
+    return out.reshape(*lead, k).to(dtype)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,6 +219,47 @@ class PackedLayer(nn.Module):
         return f"{k} -> {n}, {self.layout}, group {self.group}"
 
 
+class PackedExperts(nn.Module):
+    """A stack of experts' weights [E, N, K] kept packed (one ``layout`` weight [N, K] per expert, stored order,
+    buffers ``qweight`` [E, N, K / values per byte], ``scales`` and ``mins`` [E, N, K / group]): what a MoE layer
+    reads in place of its float [E, N, K] parameter. A decode step dequantizes only the experts its rows chose
+    (`rows` with their indices: the gather feeds the dequantization, which feeds the products, and Inductor fuses
+    them, so the step reads those experts' packed bytes); a prefill dequantizes the stack once per call."""
+
+    def __init__(self, layout: str, group: int, qweight: torch.Tensor, scales: torch.Tensor,
+                 mins: torch.Tensor | None) -> None:
+        super().__init__()
+        e, n, kb = qweight.shape
+        check_packed(layout, group, (e, n, kb * LAYOUTS[layout][0]), qweight, scales, mins)
+        self.layout, self.group = layout, group
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+        self.register_buffer("mins", mins)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        e, n, kb = self.qweight.shape
+        return (e, n, kb * LAYOUTS[self.layout][0])
+
+    def rows(self, idx: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """The float weights of experts ``idx`` (any shape of indices: [*idx.shape, N, K]), or of all ([E, N, K])."""
+        q, s, m = self.qweight, self.scales, self.mins
+        if idx is not None:
+            q, s, m = q[idx], s[idx], None if m is None else m[idx]
+        return dequantize_values(self.layout, self.group, q, s, m, dtype)
+
+    def extra_repr(self) -> str:
+        e, n, k = self.shape
+        return f"{e} experts, {k} -> {n}, {self.layout}, group {self.group}"
+
+
+def expert_rows(w: torch.Tensor | PackedExperts, idx: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """A float [E, N, K] expert parameter's experts ``idx`` (all with None), or a packed one's, dequantized."""
+    if isinstance(w, PackedExperts):
+        return w.rows(idx, dtype)
+    return w if idx is None else w[idx]
+
+
 class PackedEmbedding(PackedLayer):
     """An ``nn.Embedding`` whose table stays packed: only the looked-up rows are dequantized. ``dtype``:
     the model's (the rows' dtype)."""
@@ -231,13 +282,18 @@ def as_float_weights(weights: dict[str, torch.Tensor], packed: dict[str, dict[st
     out = dict(weights)
     for name, p in packed.items():
         parts = [out.pop(f"{name}.{part}", None) for part in PACKED_PARTS]
-        out[f"{name}.weight"] = dequantize(Packed(p["layout"], p["group"], *parts), dtype)
+        if len(p["shape"]) == 3:  # a stack of experts (stored order): the model's [E, N, K] parameter
+            out[f"{name}"] = dequantize_values(p["layout"], p["group"], *parts, dtype)
+        else:
+            out[f"{name}.weight"] = dequantize(Packed(p["layout"], p["group"], *parts), dtype)
     return out
 
 
-def packed_bytes(shape: tuple[int, int], layout: str, group: int) -> int:
-    """Device bytes of a ``layout`` weight of float ``shape``: values, float32 scales and mins."""
-    n, k = shape
+def packed_bytes(shape: tuple[int, ...], layout: str, group: int) -> int:
+    """Device bytes of a ``layout`` weight of float ``shape`` ([N, K], or [E, N, K] experts): values, float32
+    scales and mins."""
+    *lead, k = shape
+    n = math.prod(lead)
     per_byte, affine = LAYOUTS[layout]
     return n * k // per_byte + (2 if affine else 1) * 4 * n * (k // group)
 

@@ -6,8 +6,10 @@ Two ways in, one result (`models.packed` layers in place of the float ones):
   int8 symmetric (q8s: s = max|w| / 127), int4 asymmetric (q4a: s = (max - min) / 15, m = min);
   ``--quantize fp8`` to float8 e4m3 with one scale per output feature (f8r: s = max|w| / 448; its
   group is the row, whatever ``group``), multiplied with FP8 activations (`packed.fp8_linear`).
-Only the Llama family's projections (wqkv, wo, w13, w2, the LM head) and, from GGUF, its embedding are
-packed; norms, biases and RoPE stay float. `packed_layers` is what the manifest records.
+What is packed: the Llama family's projections (wqkv, wo, w13, w2, the LM head) and, from GGUF, its embedding;
+the Qwen3.5 family's projections (attention, DeltaNet, shared expert, the LM head) and its routed experts
+(`packed.PackedExperts`, [E, N, K] stacks), not its routers (a token's top-k follows their logits closely).
+Norms, biases, convolutions and RoPE stay float. `packed_layers` is what the manifest records.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from ..errors import ExportError
 from ..layouts import GROUPS, LAYOUTS
 from .linear import PackedLinear
 from .mma_order import orderable
-from .packed import FP8_MAX, Packed, PackedEmbedding, tile_ordered
+from .packed import FP8_MAX, Packed, PackedEmbedding, PackedExperts, tile_ordered
 
 QUANTIZE_MODES = {"int8": "q8s", "int4": "q4a", "fp8": "f8r"}  # --quantize -> layout
 DEFAULT_GROUP = 128
@@ -55,6 +57,18 @@ def quantize_weight(w: torch.Tensor, mode: str, group: int = DEFAULT_GROUP) -> P
     return Packed("q4a", group, (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), s.contiguous(), lo.contiguous())
 
 
+def quantize_experts(w: torch.Tensor, mode: str, group: int = DEFAULT_GROUP) -> PackedExperts:
+    """A float [E, N, K] stack of expert weights quantized as `quantize_weight` does each [N, K] (its rows are
+    independent, so the stack quantizes as one [E * N, K] matrix)."""
+    e, n, k = w.shape
+    p = quantize_weight(w.reshape(e * n, k), mode, group)
+    return PackedExperts(p.layout, p.group, p.qweight.reshape(e, n, -1), p.scales.reshape(e, n, -1),
+                         None if p.mins is None else p.mins.reshape(e, n, -1))
+
+
+ROUTERS = ("mlp.gate", "mlp.shared_expert_gate")  # Qwen3.5 MoE linears that stay float
+
+
 def _projections(model: nn.Module) -> list[str]:
     """The module names of a Llama-family model's projections, the LM head last."""
     names = [f"layers.{i}.{n}" for i in range(len(model.layers))
@@ -74,19 +88,34 @@ def _replace(model: nn.Module, name: str, w: Packed) -> None:
         setattr(owner, attr, PackedLinear(w, old.bias))
 
 
-def _check_family(model: nn.Module, what: str) -> None:
+def _check_family(model: nn.Module, what: str, families: tuple[type, ...] = ()) -> None:
     from .llama import Transformer
 
-    if not isinstance(model, Transformer):
-        raise ExportError(f"{what} is supported for the Llama family only; {type(model).__name__} models export "
+    if not isinstance(model, (Transformer, *families)):
+        names = " and ".join(["the Llama family", *(f"the {f.__module__.rsplit('.', 1)[-1]} family" for f in families)])
+        raise ExportError(f"{what} is supported for {names} only; {type(model).__name__} models export "
                           "with float weights")
 
 
 def quantize_model(model: nn.Module, mode: str, group: int = DEFAULT_GROUP) -> None:
-    """Replace every projection of a Llama-family ``model`` with its ``mode`` quantization (in place)."""
-    _check_family(model, "--quantize")
-    for name in _projections(model):
+    """Replace every projection of a Llama- or Qwen3.5-family ``model`` with its ``mode`` quantization, and a
+    Qwen3.5 MoE's routed experts with packed stacks (in place)."""
+    from .qwen3_5 import Experts, Qwen35
+
+    _check_family(model, "--quantize", (Qwen35,))
+    if not isinstance(model, Qwen35):
+        for name in _projections(model):
+            _replace(model, name, quantize_weight(model.get_submodule(name).weight, mode, group))
+        return
+    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and not name.endswith(ROUTERS)]
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    for name in linears:
         _replace(model, name, quantize_weight(model.get_submodule(name).weight, mode, group))
+    for m in experts:
+        for attr in ("gate_up_proj", "down_proj"):
+            packed = quantize_experts(getattr(m, attr).data, mode, group)
+            delattr(m, attr)  # a parameter's name cannot take a module
+            setattr(m, attr, packed)
 
 
 # onecopy module -> the HF tensors it fuses (layer i), for a GGUF source's packed tensors
@@ -137,14 +166,16 @@ def order_tiles(model: nn.Module) -> list[str]:
 
 
 def packed_layers(model: nn.Module, source: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
-    """What the manifest records per packed layer: layout, group, float shape [N, K] and where it came
-    from (``source``: layer -> a GGUF type or the quantization mode)."""
+    """What the manifest records per packed layer: layout, group, float shape ([N, K]; [E, N, K] for a stack of
+    experts) and where it came from (``source``: layer -> a GGUF type or the quantization mode)."""
     out = {}
     for name, m in model.named_modules():
         if isinstance(m, (PackedLinear, PackedEmbedding)):
             w = m.weight
             out[name] = {"layout": w.layout, "group": w.group, "shape": list(w.shape),
                          "source": (source or {}).get(name, "")}
+        elif isinstance(m, PackedExperts):
+            out[name] = {"layout": m.layout, "group": m.group, "shape": list(m.shape), "source": (source or {}).get(name, "")}
     return out
 
 

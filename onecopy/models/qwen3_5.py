@@ -25,6 +25,7 @@ from torch import nn
 from .attention import KVCache, Step, attend_pooled
 from .base import MethodDef, PooledModel, as_method, pooled_methods
 from .layers import FeedForward, apply_rope, rope_cos_sin, rope_inv_freq
+from .packed import expert_rows
 from .qwen3_5_config import LINEAR, Qwen35Config
 from .qwen3_5_deltanet import GatedDeltaNet
 
@@ -75,7 +76,8 @@ class Attention(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts as transformers stores them: gate_up_proj [E, 2I, dim], down_proj [E, dim, I]."""
+    """Routed experts as transformers stores them: gate_up_proj [E, 2I, dim], down_proj [E, dim, I]; either may be
+    a packed stack (`packed.PackedExperts`, ``--quantize``), read through `packed.expert_rows`."""
 
     def __init__(self, n: int, dim: int, hidden: int) -> None:
         super().__init__()
@@ -90,10 +92,10 @@ class Experts(nn.Module):
         the routed experts' weights, in place (N * k experts' bytes a step, not all E).
         """
         hid = self.hidden
-        gu = (self.gate_up_proj[idx] * x[:, None, None, :]).sum(-1)  # [N, k, 2I]
+        gu = (expert_rows(self.gate_up_proj, idx, x.dtype) * x[:, None, None, :]).sum(-1)  # [N, k, 2I]
         gate, up = gu.split([hid, hid], dim=-1)
         act = F.silu(gate) * up  # [N, k, I]
-        y = (self.down_proj[idx] * act[:, :, None, :]).sum(-1)  # [N, k, dim]
+        y = (expert_rows(self.down_proj, idx, x.dtype) * act[:, :, None, :]).sum(-1)  # [N, k, dim]
         return (y * top[..., None]).sum(1)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -103,10 +105,11 @@ class Experts(nn.Module):
         times the FLOPs of a grouped kernel, but each expert's weights are read once for the chunk.
         """
         e, hid = self.n, self.hidden
-        gu = F.linear(x, self.gate_up_proj.reshape(e * 2 * hid, -1)).view(x.shape[0], e, 2 * hid)
+        gate_up = expert_rows(self.gate_up_proj, None, x.dtype)
+        gu = F.linear(x, gate_up.reshape(e * 2 * hid, -1)).view(x.shape[0], e, 2 * hid)
         gate, up = gu.split([hid, hid], dim=-1)
         act = (F.silu(gate) * up).transpose(0, 1)  # [E, N, I]
-        y = torch.bmm(act, self.down_proj.transpose(1, 2))  # [E, N, dim]
+        y = torch.bmm(act, expert_rows(self.down_proj, None, x.dtype).transpose(1, 2))  # [E, N, dim]
         return (y * weights.t()[:, :, None]).sum(0)
 
 

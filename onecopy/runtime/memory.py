@@ -6,6 +6,7 @@ device figure comes from cudaMemGetInfo; on CPU it is the process's resident set
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -288,7 +289,7 @@ def engine_report(device: torch.device, manifest: Manifest, methods: "list[Metho
                   prefix_cached_tokens=scheduler.stats.cached_tokens)
         state_bytes += (use["shared"] + use["private"]) * block
     packed = {f for name in manifest.packed for f in manifest.packed_fqns(name)} & needed
-    packed_values = sum(p["shape"][0] * p["shape"][1] for p in manifest.packed.values())
+    packed_values = sum(math.prod(p["shape"]) for p in manifest.packed.values())
     return MemoryReport(device=str(device), unique_weight_bytes=unique, resident_weight_bytes=resident,
                         duplicated_weight_bytes=resident - unique,
                         packed_weight_bytes=sum(weights[f].nbytes for f in packed),
