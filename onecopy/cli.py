@@ -97,9 +97,9 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     if a.ray_address is not None:
         raise OnecopyError("--ray-address needs --replicas N (without it onecopy serves in this process)")
     engine = Engine.load(bundle, a.device, engine_config(a))
-    print(f"onecopy: serving {name} on http://{a.host}:{a.port}/v1 ({engine.max_sessions} sessions at once)",
-          file=sys.stderr)
-    serve(engine, config, host=a.host, port=a.port, grace_s=a.grace)
+    serve(engine, config, host=a.host, port=a.port, grace_s=a.grace,
+          listening=lambda url: print(f"onecopy: serving {name} on {url}/v1 ({engine.max_sessions} sessions at once)",
+                                      file=sys.stderr, flush=True))
     return 0
 
 

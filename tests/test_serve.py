@@ -282,8 +282,8 @@ def test_conversation_reuse_gives_the_same_replies(smol_engine, smollm2_bundle):
 
 
 def test_serve_cli_drains_on_sigterm(tiny_bundle):
-    """A process of its own (SIGTERM goes to the process). --port 0: the OS picks a free port, which the
-    server's log names (no port picked by us and released before the server binds it: a race)."""
+    """A process of its own (SIGTERM goes to the process). --port 0: the OS picks a free port, which onecopy's line
+    names once it is bound (no port picked by us and released before the server binds it: a race)."""
     proc = subprocess.Popen([sys.executable, "-m", "onecopy.cli", "serve", "--bundle", str(tiny_bundle), "--port", "0",
                              "--grace", "5", "--model-name", "tiny"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -291,14 +291,14 @@ def test_serve_cli_drains_on_sigterm(tiny_bundle):
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)  # until the process ends
     reader.start()
 
-    def bound_url():
-        found = [m for line in list(lines) if (m := re.search(r"Uvicorn running on (http://\S+:\d+)", line))]
-        return found[0].group(1) if found else None
+    def bound_url():  # onecopy names the URL once the socket is bound: the port the OS picked, never 0
+        found = [m for line in list(lines) if (m := re.search(r"onecopy: serving tiny on (http://\S+:(\d+))/v1", line))]
+        return found[0].group(1) if found and found[0].group(2) != "0" else None
 
     try:
         assert _wait_until(lambda: bound_url() or proc.poll() is not None, timeout=120) and bound_url(), "".join(lines)
         url = bound_url()
-        assert _up(url)
+        assert _wait_until(lambda: _up(url), timeout=30)
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         stream = client.completions.create(model="tiny", prompt=[1, 2], max_tokens=40, temperature=0, stream=True)
         first = next(iter(stream))

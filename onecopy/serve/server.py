@@ -4,8 +4,10 @@ background thread on a free loopback port (tests, `onecopy bench serve`)."""
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 import time
+from collections.abc import Callable
 
 import uvicorn
 
@@ -22,13 +24,19 @@ def _uvicorn(engine: Engine, config: ServerConfig, host: str, port: int, grace_s
 
 
 def serve(engine: Engine, config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8000, grace_s: float = 10.0,
-          log_level: str = "info") -> None:
-    """Serve until SIGINT/SIGTERM, then drain, close the engine and return (a clean exit, status 0)."""
+          log_level: str = "info", listening: Callable[[str], None] | None = None) -> None:
+    """Serve until SIGINT/SIGTERM, then drain, close the engine and return (a clean exit, status 0).
+    ``listening`` gets the base URL once the port is bound (port 0: the one the OS picked)."""
     # uvicorn drains on the signal and then raises it again for the handler it found: make that one a
     # no-op, so the process ends through our own cleanup rather than by the signal.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        _uvicorn(engine, config, host, port, grace_s, log_level).run()
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))  # bound here, so that the URL named is the one served (port 0 included)
+        if listening is not None:
+            listening(f"http://{host}:{sock.getsockname()[1]}")
+        _uvicorn(engine, config, host, port, grace_s, log_level).run(sockets=[sock])
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
