@@ -305,7 +305,8 @@ def q35_int4():
 
 def test_quantized_moe_packs_the_experts_and_equals_the_eager_quantized_model(q35_int4):
     """--quantize int4 on the MoE family: every projection and each layer's routed-expert stacks are packed
-    (the manifest records the stacks [E, N, K]; the routers stay float), the store holds each packed tensor once
+    (the manifest records the stacks [E, N, K]; the routers and DeltaNet's input projection stay float), the
+    store holds each packed tensor once
     for both methods, the memory report counts the experts' packed bytes, and the compiled prefill and decode
     (and greedy generation) equal the eager model with the same packed layers."""
     import zipfile
@@ -322,9 +323,10 @@ def test_quantized_moe_packs_the_experts_and_equals_the_eager_quantized_model(q3
     assert m["packed"]["layers.1.mlp.experts.down_proj"]["shape"] == [e, d, i]
     assert m["weights"]["layers.1.mlp.experts.gate_up_proj.qweight"]["shape"] == [e, 2 * i, d // 2]
     assert "layers.1.mlp.experts.gate_up_proj" not in m["weights"]  # no float copy beside the packed one
-    assert {"layers.0.linear_attn.in_proj", "layers.1.self_attn.wqkv", "layers.1.mlp.shared_expert.w13",
+    assert {"layers.0.linear_attn.out_proj", "layers.1.self_attn.wqkv", "layers.1.mlp.shared_expert.w13",
             "lm_head"} <= set(m["packed"])
-    assert "layers.1.mlp.gate.weight" in m["weights"] and "layers.1.mlp.gate" not in m["packed"]  # the router
+    for kept in ("layers.1.mlp.gate", "layers.0.linear_attn.in_proj"):  # the router; DeltaNet's beta / decay inputs
+        assert f"{kept}.weight" in m["weights"] and kept not in m["packed"]
     with onecopy.Engine.load(bundle) as engine, torch.no_grad():
         s = engine.open_session()
         got, want = s.prefill(PROMPT), model(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))
@@ -410,8 +412,8 @@ def test_the_35b_a3b_preset_has_the_published_shape():
 
 def test_the_35b_a3b_shape_quantized_to_int4_fits_an_80_gb_gpu_with_room():
     """--quantize int4 (group 128) of the whole shape, on meta: every projection and expert stack packed (the
-    experts are 32B of the 35B values), the routers, norms, convolutions and the embedding float: ~20 GB of device
-    weights against ~70 GB in bf16, so an H100 keeps ~55 GB for sessions."""
+    experts are 32B of the 35B values); the routers, DeltaNet's input projections, norms, convolutions and the
+    embedding float: ~21 GB of device weights against ~70 GB in bf16, so an H100 keeps ~55 GB for sessions."""
     from onecopy.models.packed import PackedExperts
     from onecopy.models.presets import PRESETS
     from onecopy.models.quantize import packed_layers, quantize_model
@@ -426,8 +428,10 @@ def test_the_35b_a3b_shape_quantized_to_int4_fits_an_80_gb_gpu_with_room():
     assert len([n for n in layers if n.endswith("experts.gate_up_proj")]) == cfg.n_layers
     held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()] if t is not None)
     floats = {n for n, p in model.named_parameters() if p.numel() > 1e6}
-    assert floats == {"embed_tokens.weight"}, floats  # nothing big stays float but the gathered embedding
-    assert 65e9 < bf16 < 73e9 and 18e9 < held < 22e9, (bf16, held)
+    kept = {"embed_tokens.weight"} | {f"layers.{i}.linear_attn.in_proj.weight" for i in range(cfg.n_layers)
+                                      if cfg.layer_types[i] == LINEAR}
+    assert floats == kept, floats ^ kept  # the gathered embedding and DeltaNet's input projections (KEPT_FLOAT)
+    assert 65e9 < bf16 < 73e9 and 18e9 < held < 23e9, (bf16, held)
 
 
 def test_on_device_random_weights_are_seeded_and_give_sane_logits():

@@ -7,8 +7,8 @@ Two ways in, one result (`models.packed` layers in place of the float ones):
   ``--quantize fp8`` to float8 e4m3 with one scale per output feature (f8r: s = max|w| / 448; its
   group is the row, whatever ``group``), multiplied with FP8 activations (`packed.fp8_linear`).
 What is packed: the Llama family's projections (wqkv, wo, w13, w2, the LM head) and, from GGUF, its embedding;
-the Qwen3.5 family's projections (attention, DeltaNet, shared expert, the LM head) and its routed experts
-(`packed.PackedExperts`, [E, N, K] stacks), not its routers (a token's top-k follows their logits closely).
+the Qwen3.5 family's projections (attention, DeltaNet's output, shared expert, the LM head) and its routed experts
+(`packed.PackedExperts`, [E, N, K] stacks), not its routers nor DeltaNet's input projection (`KEPT_FLOAT`).
 Norms, biases, convolutions and RoPE stay float. `packed_layers` is what the manifest records.
 """
 
@@ -66,7 +66,10 @@ def quantize_experts(w: torch.Tensor, mode: str, group: int = DEFAULT_GROUP) -> 
                          None if p.mins is None else p.mins.reshape(e, n, -1))
 
 
-ROUTERS = ("mlp.gate", "mlp.shared_expert_gate")  # Qwen3.5 MoE linears that stay float
+# Qwen3.5 linears that stay float: the MoE routers (a token's top-k follows their logits closely) and DeltaNet's
+# fused input projection, whose b and a rows set beta and the decay of the recurrent state (an error there compounds
+# through the exponential decay over the sequence; Qwen3-Next's FP8 checkpoints keep them bf16 too)
+KEPT_FLOAT = ("mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj")
 
 
 def _projections(model: nn.Module) -> list[str]:
@@ -107,7 +110,7 @@ def quantize_model(model: nn.Module, mode: str, group: int = DEFAULT_GROUP) -> N
         for name in _projections(model):
             _replace(model, name, quantize_weight(model.get_submodule(name).weight, mode, group))
         return
-    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and not name.endswith(ROUTERS)]
+    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and not name.endswith(KEPT_FLOAT)]
     experts = [m for m in model.modules() if isinstance(m, Experts)]
     for name in linears:
         _replace(model, name, quantize_weight(model.get_submodule(name).weight, mode, group))

@@ -919,7 +919,9 @@ Plan plan_for(const PackedLinearParams& p) {
   const bool fits16 = staged16 + 72 * 1024 + 24 * 1024 <= optin;
   Plan plan{};
   plan.nt = p.m <= 8 ? 1 : p.m <= 16 ? 2 : (stage_pays(2) && fits16 && !p.glu ? 2 : 4);
-  plan.warps = !p.invariant && plan.nt == 1 && tiles <= 2 * sms ? 16 : 8;
+  // (a fused gate/up weight keeps 8: measured only for one-weight CTAs, and a 16-warp gate/up CTA outgrows a
+  // 99 KB-shared-memory GPU; launch_rows checks the fit as well)
+  plan.warps = !p.invariant && !p.glu && plan.nt == 1 && tiles <= 2 * sms ? 16 : 8;
   plan.stage = stage_pays(plan.nt);
   return plan;
 }
@@ -941,12 +943,19 @@ void launch_glu(const PackedLinearParams& p, bool stage, cudaStream_t stream) {
 template <int L, int NT, int GS>
 int launch_rows(const PackedLinearParams& p, const Plan& plan, cudaStream_t stream) {
   if (p.glu) {
-    if (plan.warps == 16) launch_glu<L, NT, GS, 2, 16>(p, plan.stage, stream);
-    else launch_glu<L, NT, GS, 2, 8>(p, plan.stage, stream);
-  } else {
-    if (plan.warps == 16) launch_glu<L, NT, GS, 1, 16>(p, plan.stage, stream);
-    else launch_glu<L, NT, GS, 1, 8>(p, plan.stage, stream);
+    launch_glu<L, NT, GS, 2, 8>(p, plan.stage, stream);
+    return 0;
   }
+  if constexpr (NT == 1) {  // 16 warps only ever take one n-tile (plan_for): no other 16-warp kernel is built
+    // and only where its ring fits beside its static buffers (GPUs of 99 KB of shared memory a block)
+    const bool fits = smem_fits(reinterpret_cast<const void*>(packed_linear_kernel<L, 1, GS, 1, false, 16>),
+                                Ring<L, GS, 1, 16>::kBytes);
+    if (plan.warps == 16 && fits) {
+      launch_glu<L, 1, GS, 1, 16>(p, plan.stage, stream);
+      return 0;
+    }
+  }
+  launch_glu<L, NT, GS, 1, 8>(p, plan.stage, stream);
   return 0;
 }
 
