@@ -233,3 +233,21 @@ def test_smollm2_q4_1_packed_computes_the_dequantized_gguf(smollm2_source):
     held = sum(t.numel() * t.element_size() for t in packed_model.state_dict().values())
     floats = sum(t.numel() * t.element_size() for t in float_model.state_dict().values())
     assert held < 0.25 * floats, (held, floats)
+
+
+def test_an_on_device_llama_is_quantized_as_built_and_the_exporter_leaves_it_so():
+    """`random_weights.llama_on_device` with ``quantize`` (what `ModelSource.build` passes for the presets drawn
+    on the device): the same packed tensors as the float draw quantized after, and `quantize_model` on it again
+    (the exporter's step) changes nothing."""
+    from onecopy.models.presets import PRESETS
+    from onecopy.models.random_weights import llama_on_device
+
+    cfg = PRESETS["tiny-llama"].config
+    want = llama_on_device(cfg, TINY_MAX_SEQ_LEN, torch.float32, torch.device("cpu"), seed=5)
+    quantize_model(want, "int8", 32)
+    got = llama_on_device(cfg, TINY_MAX_SEQ_LEN, torch.float32, torch.device("cpu"), seed=5, quantize=("int8", 32))
+    before = {n: t.clone() for n, t in got.state_dict().items()}
+    quantize_model(got, "int8", 32)
+    assert isinstance(got.layers[0].attention.wqkv, PackedLinear)
+    assert got.state_dict().keys() == want.state_dict().keys() == before.keys()
+    assert all(torch.equal(got.state_dict()[n], t) and torch.equal(before[n], t) for n, t in want.state_dict().items())

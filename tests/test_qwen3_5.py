@@ -462,3 +462,34 @@ def test_on_device_random_weights_are_seeded_and_give_sane_logits():
     built = src.build(64, torch.float32, "cpu")
     assert built.state_dict().keys() == a.state_dict().keys()
     assert all(torch.equal(x, y) for x, y in zip(built.state_dict().values(), a.state_dict().values()))
+
+
+def test_on_device_draw_goes_a_layer_at_a_time_and_quantizes_each_as_it_is_drawn():
+    """The on-device draw materialises one layer at a time with the values `fill_random` gives over the whole
+    model (each tensor's generator seeded by its index), and with ``quantize`` packs each layer as soon as it is
+    drawn: bit for bit the model drawn whole and quantized after (so the 35B shape in int4 never holds its bf16
+    whole); the exporter's quantization then leaves those packed layers as they are."""
+    from onecopy.models.packed import PackedExperts
+    from onecopy.models.presets import PRESETS
+    from onecopy.models.quantize import quantize_model
+    from onecopy.models.random_weights import fill_random, qwen3_5_draw, qwen3_5_on_device
+
+    cfg = PRESETS["tiny-qwen3.5-moe"].config
+    with torch.device("meta"):
+        whole = qwen3_5.Qwen35(cfg, 64, torch.float32)
+    whole = whole.to_empty(device="cpu")
+    fill_random(whole, 3, qwen3_5_draw)
+    drawn = qwen3_5_on_device(cfg, 64, torch.float32, torch.device("cpu"), seed=3)
+    want = dict(whole.named_parameters())
+    assert all(torch.equal(p, want[n]) for n, p in drawn.named_parameters())
+    quantize_model(whole, "int4", 32)
+    packed = qwen3_5_on_device(cfg, 64, torch.float32, torch.device("cpu"), seed=3, quantize=("int4", 32))
+    assert isinstance(packed.layers[1].mlp.experts.gate_up_proj, PackedExperts)
+    before = {n: t.clone() for n, t in packed.state_dict().items()}
+    quantize_model(packed, "int4", 32)  # what the exporter does next: nothing left to quantize
+    got = packed.state_dict()
+    assert got.keys() == whole.state_dict().keys() == before.keys()
+    assert all(torch.equal(got[n].view(torch.uint8) if got[n].dtype == torch.uint8 else got[n], t)
+               for n, t in whole.state_dict().items() if n != "rope_inv_freq")
+    assert all(torch.equal(got[n], before[n]) for n in got)
+    assert torch.equal(packed.rope_inv_freq, qwen3_5.Qwen35(cfg, 64, torch.float32).rope_inv_freq)  # computed

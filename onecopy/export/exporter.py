@@ -184,7 +184,7 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
         if quantize is not None and src.packed and not dequantize:
             raise ExportError(f"{src.name} is already quantized ({_gguf_types(src)}) and stays so; to quantize it "
                               f"again to {quantize}, pass dequantize=True too (--dequantize)")
-        model = src.build(max_seq_len, dtype, device)
+        model = src.build(max_seq_len, dtype, device, quantize=(quantize, group_size) if quantize is not None else None)
         sources = _pack(model, src, dequantize, quantize, group_size, progress)
         if sources and device == "cuda" and native_kernels and native.linear_serves(device):
             order_tiles(model)  # the native decode kernel's tile order (the manifest names the _mma layouts)

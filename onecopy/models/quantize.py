@@ -102,23 +102,35 @@ def _check_family(model: nn.Module, what: str, families: tuple[type, ...] = ()) 
 
 def quantize_model(model: nn.Module, mode: str, group: int = DEFAULT_GROUP) -> None:
     """Replace every projection of a Llama- or Qwen3.5-family ``model`` with its ``mode`` quantization, and a
-    Qwen3.5 MoE's routed experts with packed stacks (in place)."""
-    from .qwen3_5 import Experts, Qwen35
+    Qwen3.5 MoE's routed experts with packed stacks (in place). Layers already packed stay as they are (an
+    on-device preset is quantized as it is drawn: `random_weights`)."""
+    from .qwen3_5 import Qwen35
 
     _check_family(model, "--quantize", (Qwen35,))
-    if not isinstance(model, Qwen35):
-        for name in _projections(model):
-            _replace(model, name, quantize_weight(model.get_submodule(name).weight, mode, group))
+    if isinstance(model, Qwen35):
+        quantize_qwen3_5(model, mode, group)
         return
-    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and not name.endswith(KEPT_FLOAT)]
-    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    for name in _projections(model):
+        if not isinstance(model.get_submodule(name), PackedLinear):
+            _replace(model, name, quantize_weight(model.get_submodule(name).weight, mode, group))
+
+
+def quantize_qwen3_5(module: nn.Module, mode: str, group: int = DEFAULT_GROUP) -> None:
+    """`quantize_model` for a Qwen3.5 model or any part of one (a layer: the on-device draw quantizes each as
+    it is drawn): its float linears but `KEPT_FLOAT`, and its routed-expert stacks."""
+    from .qwen3_5 import Experts
+
+    linears = [name for name, m in module.named_modules() if isinstance(m, nn.Linear) and not name.endswith(KEPT_FLOAT)]
     for name in linears:
-        _replace(model, name, quantize_weight(model.get_submodule(name).weight, mode, group))
-    for m in experts:
-        for attr in ("gate_up_proj", "down_proj"):
-            packed = quantize_experts(getattr(m, attr).data, mode, group)
-            delattr(m, attr)  # a parameter's name cannot take a module
-            setattr(m, attr, packed)
+        _replace(module, name, quantize_weight(module.get_submodule(name).weight, mode, group))
+    for m in module.modules():
+        if isinstance(m, Experts):
+            for attr in ("gate_up_proj", "down_proj"):
+                if isinstance(getattr(m, attr), PackedExperts):
+                    continue
+                packed = quantize_experts(getattr(m, attr).data, mode, group)
+                delattr(m, attr)  # a parameter's name cannot take a module
+                setattr(m, attr, packed)
 
 
 # onecopy module -> the HF tensors it fuses (layer i), for a GGUF source's packed tensors

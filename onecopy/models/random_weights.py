@@ -17,6 +17,7 @@ from torch import nn
 
 from .layers import rope_inv_freq
 from .llama import LlamaConfig, Transformer
+from .quantize import quantize_model, quantize_qwen3_5
 from .qwen3_5_config import LINEAR, Qwen35Config
 
 
@@ -168,26 +169,44 @@ def fill_random(model: nn.Module, seed: int,
 
 
 def llama_on_device(cfg: LlamaConfig, max_seq_len: int, dtype: torch.dtype, device: torch.device,
-                    seed: int) -> Transformer:
+                    seed: int, quantize: tuple[str, int] | None = None) -> Transformer:
     """A Transformer built without memory (meta), then materialised on ``device`` with seeded random weights:
-    an 8B model never passes through host memory in fp32."""
+    an 8B model never passes through host memory in fp32. ``quantize`` = (mode, group): its projections then
+    quantized (`quantize.quantize_model`)."""
     with torch.device("meta"):
         model = Transformer(cfg, max_seq_len, dtype)
     model = model.to_empty(device=device)
     model.rope_inv_freq = rope_inv_freq(cfg)[0].to(device)  # computed, not random
     fill_random(model, seed)
+    if quantize is not None:
+        quantize_model(model, *quantize)
     return model.eval()
 
 
 def qwen3_5_on_device(cfg: Qwen35Config, max_seq_len: int, dtype: torch.dtype, device: torch.device,
-                      seed: int) -> nn.Module:
+                      seed: int, quantize: tuple[str, int] | None = None) -> nn.Module:
     """A Qwen3.5 model (dense or MoE) built without memory (meta), then materialised on ``device`` with seeded
-    random weights drawn in place (`qwen3_5_draw`): the 35B MoE shape never passes through the host."""
+    random weights drawn in place (`qwen3_5_draw`): the 35B MoE shape never passes through the host. A layer at a
+    time (the same values as `fill_random` over the whole model: each tensor's generator is seeded by its index in
+    the model), and with ``quantize`` = (mode, group) each layer is quantized (`quantize.quantize_model`'s rules)
+    as soon as it is drawn: the 35B shape in int4 never holds its ~70 GB of bf16 at once."""
     from .qwen3_5 import Qwen35  # the model module imports this one's neighbours; keep the import local
 
     with torch.device("meta"):
         model = Qwen35(cfg, max_seq_len, dtype)
-    model = model.to_empty(device=device)
-    model.rope_inv_freq.data = rope_inv_freq(cfg, cfg.rotary_dim)[0].to(device)  # computed, not random
-    fill_random(model, seed, qwen3_5_draw)
+    index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    units: list[tuple[str, nn.Module]] = []  # the embedding, each layer, the final norm, the LM head
+    for name, child in model.named_children():
+        units += [(f"{name}.{j}", m) for j, m in enumerate(child)] if isinstance(child, nn.ModuleList) else [(name, child)]
+    with torch.no_grad():
+        for name, unit in units:
+            unit.to_empty(device=device)
+            for pname, p in unit.named_parameters():
+                full = f"{name}.{pname}"
+                p.copy_(qwen3_5_draw(full, p, torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + index[full])))
+            if quantize is not None and not isinstance(unit, nn.Linear):  # a layer replaces its own linears
+                quantize_qwen3_5(unit, *quantize)
+    if quantize is not None:  # and the model its LM head
+        quantize_qwen3_5(model, *quantize)
+    model.rope_inv_freq = rope_inv_freq(cfg, cfg.rotary_dim)[0].to(device)  # computed, not random
     return model.eval()

@@ -47,11 +47,15 @@ class ModelSource:
         """Weights under onecopy FQNs (Llama: fused q/k/v and gate/up; Whisper: transformers' names)."""
         return families.family(self.family).to_onecopy(self.hf_state_dict, self.config)
 
-    def build(self, max_seq_len: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> nn.Module:
-        """The eager model with these weights, ready to run or export."""
+    def build(self, max_seq_len: int, dtype: torch.dtype, device: str | torch.device = "cpu",
+              quantize: tuple[str, int] | None = None) -> nn.Module:
+        """The eager model with these weights, ready to run or export. ``quantize`` = (mode, group): weights drawn
+        on the device are quantized as they are drawn (`random_weights`; a model too big for the device in its
+        float dtype fits packed); stored weights are quantized by the exporter after the build."""
         fam = families.family(self.family)
         if self.random_seed is not None:  # no stored weights: drawn on the device
-            return fam.random_on_device(self.config, max_seq_len, dtype, torch.device(device), self.random_seed)
+            return fam.random_on_device(self.config, max_seq_len, dtype, torch.device(device), self.random_seed,
+                                        quantize=quantize)
         model = fam.model(self.config, max_seq_len, dtype)
         missing, unexpected = model.load_state_dict(self.state_dict(), strict=False)
         buffers = {n for n, _ in model.named_buffers()}  # KV cache and RoPE table are built, not loaded
