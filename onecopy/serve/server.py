@@ -31,12 +31,12 @@ def serve(engine: Engine, config: ServerConfig, *, host: str = "127.0.0.1", port
     # no-op, so the process ends through our own cleanup rather than by the signal.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))  # bound here, so that the URL named is the one served (port 0 included)
-        if listening is not None:
-            listening(f"http://{host}:{sock.getsockname()[1]}")
-        _uvicorn(engine, config, host, port, grace_s, log_level).run(sockets=[sock])
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))  # bound here, so that the URL named is the one served (port 0 included)
+            if listening is not None:
+                listening(f"http://{host}:{sock.getsockname()[1]}")
+            _uvicorn(engine, config, host, port, grace_s, log_level).run(sockets=[sock])
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
