@@ -17,6 +17,7 @@ from onecopy.models.qwen3_5_convert import hf_config_from_qwen3_5
 from onecopy.models.source import ModelSource, preset_source, resolve_source
 
 from .bundle_cache import cached_bundle
+from .conftest import eager_greedy
 
 VARIANTS = ["tiny-qwen3.5", "tiny-qwen3.5-moe"]
 MAX_SEQ_LEN = 64
@@ -347,13 +348,7 @@ def test_quantized_moe_packs_the_experts_and_equals_the_eager_quantized_model(q3
     assert report.packed_weight_bytes == sum(packed_bytes(tuple(p["shape"]), p["layout"], p["group"])
                                              for p in m["packed"].values())
     assert report.packed_weight_bytes < 0.25 * report.packed_as_float_bytes
-    eager = []
-    with torch.no_grad():
-        logits, pos = model(torch.tensor([PROMPT]), torch.arange(len(PROMPT))), len(PROMPT)
-        for _ in range(GREEDY.max_new_tokens):
-            eager.append(int(logits.argmax(-1)))
-            logits, pos = model(torch.tensor([[eager[-1]]]), torch.tensor([pos])), pos + 1
-    assert ids == eager
+    assert ids == eager_greedy(model, PROMPT, GREEDY.max_new_tokens)
     # the decode step still reads only the routed experts: the kernels that take their packed values gather
     # them by the routing indices; no GEMM reads the stacks
     import re

@@ -198,16 +198,23 @@ def flatten(weights: Sequence[Weight | None]) -> tuple[tuple[torch.Tensor, ...],
     return flat, unflatten
 
 
+def hold_packed(module: nn.Module, layout: str, group: int, shape: tuple[int, ...], qweight: torch.Tensor,
+                scales: torch.Tensor, mins: torch.Tensor | None) -> None:
+    """Check a packed weight of float ``shape`` (`check_packed`) and hold it in ``module``: ``layout``, ``group``
+    and the buffers ``qweight``, ``scales``, ``mins`` (None for the symmetric layouts: not in the state dict)."""
+    check_packed(layout, group, shape, qweight, scales, mins)
+    module.layout, module.group = layout, group
+    module.register_buffer("qweight", qweight)
+    module.register_buffer("scales", scales)
+    module.register_buffer("mins", mins)
+
+
 class PackedLayer(nn.Module):
     """A layer whose weight stays packed, held as buffers (the base of `linear.PackedLinear` and `PackedEmbedding`)."""
 
     def __init__(self, w: Packed) -> None:
         super().__init__()
-        check_packed(w.layout, w.group, w.shape, w.qweight, w.scales, w.mins)
-        self.layout, self.group = w.layout, w.group
-        self.register_buffer("qweight", w.qweight)
-        self.register_buffer("scales", w.scales)
-        self.register_buffer("mins", w.mins)  # None for the symmetric layouts: not in the state dict
+        hold_packed(self, w.layout, w.group, w.shape, w.qweight, w.scales, w.mins)
 
     @property
     def weight(self) -> Packed:
@@ -230,11 +237,7 @@ class PackedExperts(nn.Module):
                  mins: torch.Tensor | None) -> None:
         super().__init__()
         e, n, kb = qweight.shape
-        check_packed(layout, group, (e, n, kb * LAYOUTS[layout][0]), qweight, scales, mins)
-        self.layout, self.group = layout, group
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("scales", scales)
-        self.register_buffer("mins", mins)
+        hold_packed(self, layout, group, (e, n, kb * LAYOUTS[layout][0]), qweight, scales, mins)
 
     @property
     def shape(self) -> tuple[int, int, int]:

@@ -185,12 +185,9 @@ def packed_layers(model: nn.Module, source: dict[str, str] | None = None) -> dic
     experts) and where it came from (``source``: layer -> a GGUF type or the quantization mode)."""
     out = {}
     for name, m in model.named_modules():
-        if isinstance(m, (PackedLinear, PackedEmbedding)):
-            w = m.weight
-            out[name] = {"layout": w.layout, "group": w.group, "shape": list(w.shape),
-                         "source": (source or {}).get(name, "")}
-        elif isinstance(m, PackedExperts):
-            out[name] = {"layout": m.layout, "group": m.group, "shape": list(m.shape), "source": (source or {}).get(name, "")}
+        if isinstance(m, (PackedLinear, PackedEmbedding, PackedExperts)):
+            shape = m.shape if isinstance(m, PackedExperts) else m.weight.shape
+            out[name] = {"layout": m.layout, "group": m.group, "shape": list(shape), "source": (source or {}).get(name, "")}
     return out
 
 

@@ -160,11 +160,16 @@ def qwen3_5_draw(name: str, p: torch.Tensor, g: torch.Generator) -> torch.Tensor
 
 
 def fill_random(model: nn.Module, seed: int,
-                draw: Callable[[str, torch.Tensor, torch.Generator], torch.Tensor] = llama_draw) -> None:
-    """Seeded random weights in place, on the model's device and dtype: one generator per tensor, its values
-    ``draw(name, tensor, generator)`` (the family's scales)."""
+                draw: Callable[[str, torch.Tensor, torch.Generator], torch.Tensor] = llama_draw,
+                prefix: str = "", index: dict[str, int] | None = None) -> None:
+    """Seeded random weights in place, on the model's device and dtype: one generator per tensor, seeded by the
+    tensor's index among the model's parameters, its values ``draw(name, tensor, generator)`` (the family's
+    scales). ``model`` may be a part of the model: ``prefix`` its name in the whole, ``index`` the whole's
+    parameter indices (the same values as filling the whole)."""
     with torch.no_grad():
         for i, (name, p) in enumerate(model.named_parameters()):
+            name = prefix + name
+            i = i if index is None else index[name]
             p.copy_(draw(name, p, torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + i)))
 
 
@@ -187,9 +192,9 @@ def qwen3_5_on_device(cfg: Qwen35Config, max_seq_len: int, dtype: torch.dtype, d
                       seed: int, quantize: tuple[str, int] | None = None) -> nn.Module:
     """A Qwen3.5 model (dense or MoE) built without memory (meta), then materialised on ``device`` with seeded
     random weights drawn in place (`qwen3_5_draw`): the 35B MoE shape never passes through the host. A layer at a
-    time (the same values as `fill_random` over the whole model: each tensor's generator is seeded by its index in
-    the model), and with ``quantize`` = (mode, group) each layer is quantized (`quantize.quantize_model`'s rules)
-    as soon as it is drawn: the 35B shape in int4 never holds its ~70 GB of bf16 at once."""
+    time (`fill_random` of each part: the same values as over the whole model), and with ``quantize`` = (mode,
+    group) each layer is quantized (`quantize.quantize_qwen3_5`) as soon as it is drawn: the 35B shape in int4
+    never holds its ~70 GB of bf16 at once."""
     from .qwen3_5 import Qwen35  # the model module imports this one's neighbours; keep the import local
 
     with torch.device("meta"):
@@ -198,14 +203,11 @@ def qwen3_5_on_device(cfg: Qwen35Config, max_seq_len: int, dtype: torch.dtype, d
     units: list[tuple[str, nn.Module]] = []  # the embedding, each layer, the final norm, the LM head
     for name, child in model.named_children():
         units += [(f"{name}.{j}", m) for j, m in enumerate(child)] if isinstance(child, nn.ModuleList) else [(name, child)]
-    with torch.no_grad():
-        for name, unit in units:
-            unit.to_empty(device=device)
-            for pname, p in unit.named_parameters():
-                full = f"{name}.{pname}"
-                p.copy_(qwen3_5_draw(full, p, torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + index[full])))
-            if quantize is not None and not isinstance(unit, nn.Linear):  # a layer replaces its own linears
-                quantize_qwen3_5(unit, *quantize)
+    for name, unit in units:
+        unit.to_empty(device=device)
+        fill_random(unit, seed, qwen3_5_draw, prefix=f"{name}.", index=index)
+        if quantize is not None and not isinstance(unit, nn.Linear):  # a layer replaces its own linears
+            quantize_qwen3_5(unit, *quantize)
     if quantize is not None:  # and the model its LM head
         quantize_qwen3_5(model, *quantize)
     model.rope_inv_freq = rope_inv_freq(cfg, cfg.rotary_dim)[0].to(device)  # computed, not random
