@@ -561,8 +561,8 @@ __device__ __forceinline__ float half_f(uint16_t v, bool bf16) {
   return bf16 ? __uint_as_float(static_cast<uint32_t>(v) << 16) : __half2float(__ushort_as_half(v));
 }
 
-// FP8: CTAs persistent over 16-output-feature tiles, NT n-tiles of 8 rows (one: kFp8MaxRows; two measured slower
-// than cuBLAS at 16 rows), W warps over 64-value chunks.
+// FP8: CTAs persistent over 16-output-feature tiles, one n-tile of up to 8 rows (kFp8MaxRows; two n-tiles measured
+// slower than cuBLAS at 16 rows), W warps over 64-value chunks.
 // Each row of x is quantized as models/packed.py's quantize_rows does on CUDA (scale = max |x| * fl(1 / 448),
 // e4m3(x / scale)): the CTA finds the rows' maxima together, then stages the e4m3 rows in shared memory (S) or, for
 // rows too wide for it, quantizes them again as it reads them. A thread's 16 bytes of weight row g (and g + 8) at
@@ -574,14 +574,15 @@ __device__ __forceinline__ float half_f(uint16_t v, bool bf16) {
 constexpr int kFp8RingBytes = 48 * 1024;        // 6 stages of an 8-warp CTA (32 bytes a thread and stage)
 constexpr size_t kFp8StageBytes = 72 * 1024;   // e4m3 rows staged up to this many bytes (more: quantized as read)
 
-template <bool S, int W, int NT>
-__global__ void __launch_bounds__(32 * W, (NT == 1 ? 4 : 2) * 8 / W) fp8_linear_kernel(Fp8LinearParams p) {
+template <bool S, int W>
+__global__ void __launch_bounds__(32 * W, 4 * 8 / W) fp8_linear_kernel(Fp8LinearParams p) {
+  constexpr int NT = 1;  // n-tiles of 8 rows
   constexpr int kWarps = W;
   constexpr int kThreads = 32 * W;
   constexpr int kStages = kFp8RingBytes / (kThreads * 32);
   constexpr int kAcc = NT * 4;
   constexpr int kRows = 8 * NT;
-  __shared__ float red[NT == 1 ? 2 * W * kAcc * 32 : W / 2 * kAcc * 32];
+  __shared__ float red[2 * W * kAcc * 32];
   __shared__ float fin[16][kRows + 1];
   __shared__ float wmax[kWarps][kRows];
   __shared__ float xscale[kRows];
@@ -690,17 +691,13 @@ __global__ void __launch_bounds__(32 * W, (NT == 1 ? 4 : 2) * 8 / W) fp8_linear_
       }
     }
     float* flat = &acc[0][0];
-    if constexpr (NT == 1) {  // one barrier a tile, as the packed kernel's
-      float* rb = red + (tiles_done & 1) * kWarps * kAcc * 32;
+    float* rb = red + (tiles_done & 1) * kWarps * kAcc * 32;  // one barrier a tile, as the packed kernel's
 #pragma unroll
-      for (int i = 0; i < kAcc; ++i) rb[(warp * kAcc + i) * 32 + lane] = flat[i];
-      __syncthreads();
-      if (warp == 0) {
+    for (int i = 0; i < kAcc; ++i) rb[(warp * kAcc + i) * 32 + lane] = flat[i];
+    __syncthreads();
+    if (warp == 0) {
 #pragma unroll
-        for (int i = 0; i < kAcc; ++i) flat[i] = tree_sum<W, kAcc * 32>(rb + i * 32 + lane);
-      }
-    } else {
-      reduce_warps<W, kAcc>(reinterpret_cast<float(&)[kAcc]>(*flat), red, warp, lane);
+      for (int i = 0; i < kAcc; ++i) flat[i] = tree_sum<W, kAcc * 32>(rb + i * 32 + lane);
     }
     ++tiles_done;
     if (warp == 0) {
@@ -721,15 +718,8 @@ __global__ void __launch_bounds__(32 * W, (NT == 1 ? 4 : 2) * 8 / W) fp8_linear_
         return make_uint2(*reinterpret_cast<uint32_t*>(&a), *reinterpret_cast<uint32_t*>(&b));
       };
       uint16_t* out = static_cast<uint16_t*>(p.out);
-      if constexpr (NT == 1) {  // lanes 4 r .. 4 r + 3: a quarter of row r's 16 outputs each
-        const int r = lane >> 2, q0 = 4 * (lane & 3);
-        if (r < p.m) *reinterpret_cast<uint2*>(out + r * p.stride_o + f0 + q0) = quarter(r, q0);
-      } else {
-        const int r = lane;
-        if (r < p.m)
-#pragma unroll
-          for (int q = 0; q < 4; ++q) *reinterpret_cast<uint2*>(out + r * p.stride_o + f0 + 4 * q) = quarter(r, 4 * q);
-      }
+      const int r = lane >> 2, q0 = 4 * (lane & 3);  // lanes 4 r .. 4 r + 3: a quarter of row r's 16 outputs each
+      if (r < p.m) *reinterpret_cast<uint2*>(out + r * p.stride_o + f0 + q0) = quarter(r, q0);
       __syncwarp();
     }
   }
@@ -1008,13 +998,13 @@ inline int fp8_warps(int tiles) {
   return tiles <= 2 * sms ? 16 : 8;
 }
 
-template <int W, int NT>
+template <int W>
 void fp8_launch(const Fp8LinearParams& p, cudaStream_t stream) {
   const size_t stage = static_cast<size_t>(p.m) * (p.k + 16);
   const size_t ring = kFp8RingBytes;
   const bool staged =
-      stage <= kFp8StageBytes && smem_fits(reinterpret_cast<const void*>(fp8_linear_kernel<true, W, NT>), ring + stage);
-  auto kernel = staged ? fp8_linear_kernel<true, W, NT> : fp8_linear_kernel<false, W, NT>;
+      stage <= kFp8StageBytes && smem_fits(reinterpret_cast<const void*>(fp8_linear_kernel<true, W>), ring + stage);
+  auto kernel = staged ? fp8_linear_kernel<true, W> : fp8_linear_kernel<false, W>;
   const size_t smem = staged ? ring + stage : ring;
   allow_smem(reinterpret_cast<const void*>(kernel), smem);
   const dim3 grid(1, persistent_ctas(reinterpret_cast<const void*>(kernel), 32 * W, smem, p.n / 16, 1));
@@ -1024,7 +1014,7 @@ void fp8_launch(const Fp8LinearParams& p, cudaStream_t stream) {
 int fp8_linear_launch(const Fp8LinearParams& p, cudaStream_t stream) {
   if (!fp8_linear_supported(p.n, p.k) || p.m > kFp8MaxRows) return -1;
   if (p.m == 0) return 0;
-  if (fp8_warps(p.n / 16) == 16) fp8_launch<16, 1>(p, stream); else fp8_launch<8, 1>(p, stream);
+  if (fp8_warps(p.n / 16) == 16) fp8_launch<16>(p, stream); else fp8_launch<8>(p, stream);
   return static_cast<int>(cudaGetLastError());
 }
 
