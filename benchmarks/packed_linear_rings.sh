@@ -1,12 +1,9 @@
 #!/usr/bin/env bash
-# The native packed projection at several ring sizes (kRingBytes), timed by benchmarks/packed_linear_harness.cu.
+# The native packed projection at several ring sizes (kRingBytes), one and 16 rows: benchmarks/packed_linear_variants.sh
+# with -DONECOPY_RING_KB=<size> per variant.
 # Usage (CUDA machine with nvcc, repository root): bash benchmarks/packed_linear_rings.sh [36 54 72 100]
 set -euo pipefail
-SRC=onecopy/kernels/native
 sizes=("${@:-36 54 72 100}")
-for v in ${sizes[@]}; do
-  nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -DONECOPY_RING_KB=$v -I$SRC \
-    -o /tmp/packed_linear_ring_$v benchmarks/packed_linear_harness.cu $SRC/packed_linear.cu &
-done
-wait
-for v in ${sizes[@]}; do echo "== ring ${v} KB"; /tmp/packed_linear_ring_$v; done
+variants=()
+for v in ${sizes[@]}; do variants+=("ring_${v}kb=-DONECOPY_RING_KB=$v"); done
+exec bash "$(dirname "$0")/packed_linear_variants.sh" 1,16 q4a,q8s "${variants[@]}"
