@@ -54,9 +54,19 @@ def _eager(x, exact, glu, residual, norm):
     return y if residual is None else residual + y
 
 
+def _gemm_weight(plain):
+    """The weight as the packed GEMM multiplies it: s and m rounded to bf16, then s q + m rounded once to bf16."""
+    from onecopy.models.packed import Packed, dequantize
+
+    def r(t):
+        return None if t is None else t.to(torch.bfloat16).float()
+
+    return dequantize(Packed(plain.layout, plain.group, plain.qweight, r(plain.scales), r(plain.mins))).to(torch.bfloat16)
+
+
 def test_native_packed_linear_matches_float64_and_is_batch_invariant():
     """Every tile-ordered layout and group, 1 to 64 rows, with the folds (norm, SwiGLU, residual): the native
-    op (its kernel up to 32 rows, the unpacked weight and cuBLAS past that) against float64 of the float32
+    op (its kernel up to 32 rows, the packed GEMM past that) against float64 of the float32
     dequantization, no looser than the Triton packed kernel on the same weight in its stored order; its sums
     of squares per 16 outputs are the rows' own; with ``invariant`` (the kernel at any batch size) a row's
     bits never depend on the rows beside it."""
@@ -86,8 +96,9 @@ def test_native_packed_linear_matches_float64_and_is_batch_invariant():
                 err, err_triton = float((out.double() - ref).abs().max()), float((triton - ref).abs().max())
                 scale = float(ref.abs().max())
                 assert out.shape == (m, n_out) and out.dtype == torch.bfloat16 and ss.shape == (m, n_out // 16)
-                # past the kernel's rows the op rounds as the eager bf16 model does: no looser than that model
-                err_eager = float((_eager(x, exact, glu, r, nrm).double() - ref).abs().max()) \
+                # past the kernel's rows the op (the packed GEMM and ATen folds) rounds as the eager bf16 model does
+                # on the weight as the GEMM dequantizes it: no looser than that model
+                err_eager = float((_eager(x, _gemm_weight(plain), glu, r, nrm).double() - ref).abs().max()) \
                     if m > native.KERNEL_MAX_ROWS else 0.0
                 assert err <= max(1.5 * err_triton, 1.5 * err_eager, 8e-3 * scale), (name, n, k, m, err, err_triton,
                                                                                      err_eager, scale)  # ~1 bf16 ulp
@@ -152,6 +163,88 @@ def test_native_packed_linear_rows_stay_independent_with_folds_and_many_tiles_a_
         err = float((call(0, 5, invariant=False)[0].double() - ref).abs().max())
         err_eager = float((_eager(x[:5], exact, glu, r5, n5).double() - ref).abs().max())
         assert err <= max(1.5 * err_eager, 8e-3 * float(ref.abs().max())), (mode, group, n, k, err, err_eager)
+
+
+def test_native_packed_gemm_matches_float64_for_many_rows_and_is_deterministic():
+    """The packed GEMM (kernels/native/packed_gemm.cu) for 16 to 300 rows, every layout and group: within two bf16
+    ulps of float64 on the weight as it dequantizes it (s and m in bf16, s q + m rounded once to bf16: Marlin's
+    arithmetic), and within 6x of the eager bf16 product on the float32 dequantization; a weight of enough
+    256-feature blocks for the GEMM (17408 = 68 blocks) and one past N's last block (784: 49 tiles, a warp's second
+    tile and a block's last tiles empty), and the paths it leaves to cuBLAS on the unpacked weight (4096 outputs:
+    16 blocks; K = 576, not a multiple of the 128-value stage; past 64 rows); the same bits on every call. The
+    decode op without folds takes the GEMM past 8 rows where it serves (its rows' sums of squares its own)."""
+    from onecopy.kernels import native
+    from onecopy.layouts import MMA_LAYOUT_IDS
+    from onecopy.models.packed import dequantize
+
+    torch.manual_seed(2)
+    for n, k in ((17408, 1024), (784, 1024), (4096, 4096), (512, 576)):
+        for name, (p, plain) in _weights(n, k).items():
+            op = (p.qweight, p.scales, p.mins, MMA_LAYOUT_IDS[p.layout], p.group)
+            exact, as_read = dequantize(plain), _gemm_weight(plain)
+            for m in (16, 17, 33, 64, 65, 130):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                out = native.packed_gemm(x, *op)
+                assert out.shape == (m, n) and out.dtype == torch.bfloat16, (name, n, k, m)
+                ref = x.double() @ exact.double().t()
+                err = float((out.double() - ref).abs().max())
+                err_eager = float((F.linear(x, exact.to(torch.bfloat16)).double() - ref).abs().max())
+                assert err <= 6 * err_eager, (name, n, k, m, err, err_eager)
+                if n == 17408 and m <= 64:  # the GEMM's own arithmetic
+                    ref_read = x.double() @ as_read.double().t()
+                    err_read = float((out.double() - ref_read).abs().max())
+                    assert err_read <= 8e-3 * float(ref_read.abs().max()), (name, n, k, m, err_read)
+                assert torch.equal(native.packed_gemm(x, *op), out), (name, n, k, m)
+                if n == 17408 and 8 < m <= native.KERNEL_MAX_ROWS:
+                    y, ss = native.packed_linear(x, *op)
+                    assert torch.equal(y, out), (name, m)
+                    torch.testing.assert_close(ss, y.float().reshape(m, n // 16, 16).pow(2).sum(-1), rtol=1e-5,
+                                               atol=1e-5)
+
+
+def test_native_packed_linear_takes_the_gemm_with_its_folds_past_8_rows():
+    """9 to 64 rows of a weight the packed GEMM serves (enough output blocks): the decode op runs the GEMM with its
+    folds (the RMSNorm before as one kernel, the eager x * rstd then the weight; SwiGLU or the residual add after;
+    the rows' sums of squares), against float64 no looser than the eager bf16 model on the weight as the GEMM
+    dequantizes it; a row's bits do not depend on the rows beside it from 9 to 64 rows (blocks of 16, 32 and 64)."""
+    from onecopy.kernels import native
+    from onecopy.layouts import MMA_LAYOUT_IDS
+    from onecopy.models.packed import dequantize, tile_ordered
+    from onecopy.models.projections import sum_of_squares
+    from onecopy.models.quantize import quantize_weight
+
+    torch.manual_seed(3)
+    for mode, group, n, k, glu, res, norm in [("int4", 128, 2 * 9216, 1024, True, False, True),
+                                               ("int8", 128, 17408, 1024, False, True, True),
+                                               ("int4", 32, 17408, 1024, False, True, False)]:
+        plain = quantize_weight(torch.randn(n, k) / k ** 0.5, mode, group)
+        plain = plain.rebuild(tuple(t.cuda() for t in plain.tensors()))
+        p = tile_ordered(plain)
+        op = (p.qweight, p.scales, p.mins, MMA_LAYOUT_IDS[p.layout], p.group)
+        n_out = n // 2 if glu else n
+        x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+        r = torch.randn(64, n_out, device="cuda", dtype=torch.bfloat16) if res else None
+        g = 1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16)
+        parts = torch.stack([sum_of_squares(c)[:, 0] for c in x.chunk(3, dim=1)], dim=1) if norm else None
+
+        def call(lo, hi):
+            nrm = (g, parts[lo:hi], 1e-5) if norm else None
+            return native.packed_linear(x[lo:hi], *op, residual=None if r is None else r[lo:hi], glu=glu, norm=nrm)
+
+        whole = call(0, 64)
+        for lo, hi in ((0, 9), (0, 17), (10, 40), (5, 64), (40, 64)):
+            part = call(lo, hi)
+            assert torch.equal(whole[0][lo:hi], part[0]) and torch.equal(whole[1][lo:hi], part[1]), (mode, lo, hi)
+        exact, as_read = dequantize(plain), _gemm_weight(plain)
+        for m in (9, 17, 32, 64):
+            out, ss = call(0, m)
+            rm, nm = None if r is None else r[:m], (g, parts[:m], 1e-5) if norm else None
+            ref = _reference(x[:m], exact, glu, rm, nm)
+            err = float((out.double() - ref).abs().max())
+            err_eager = float((_eager(x[:m], as_read, glu, rm, nm).double() - ref).abs().max())
+            assert err <= max(1.5 * err_eager, 8e-3 * float(ref.abs().max())), (mode, group, m, err, err_eager)
+            torch.testing.assert_close(ss, out.float().reshape(m, n_out // 16, 16).pow(2).sum(-1), rtol=1e-5,
+                                       atol=1e-5)
 
 
 def test_native_packed_linear_refuses_misaligned_or_mismatched_scales():

@@ -1,8 +1,9 @@
 """CUDA kernels written in CUDA C++ rather than Triton, as the ``torch.ops.onecopy_native`` ops.
 
-Two families: decode attention over an 8-bit paged KV cache (`decode_q8.cu`), and the decode step's packed
-projections (`packed_linear.cu`: int4 / int8 weights in the tile order the export writes, `models.mma_order`,
-and FP8 weights for up to 8 rows); the comments there say why they are not Triton. AOTInductor cannot embed
+Two families: decode attention over an 8-bit paged KV cache (`decode_q8.cu`), and packed projections:
+`packed_linear.cu` for a decode step's few rows (int4 / int8 weights in the tile order the export writes,
+`models.mma_order`, and FP8 weights for up to 8 rows) and `packed_gemm.cu` for many (a wide decode step, a
+prefill chunk); the comments there say why they are not Triton. AOTInductor cannot embed
 a CUDA C++ kernel the way it embeds Triton's, so a package that uses these ops calls them by name (its proxy
 executor) and the process must have this library loaded before the package is: `load` builds it for the
 device in hand (nvcc and a C++ compiler that links libstdc++ dynamically, `toolchain.pick_cxx`; about 30 s
@@ -29,8 +30,8 @@ import torch
 from ...layouts import MMA_LAYOUT_IDS
 
 LIBRARY = "onecopy_native"
-_SOURCES = ("ops.cpp", "decode_q8.cu", "packed_linear.cu")
-KERNEL_MAX_ROWS = 32  # kKernelMaxRows: the packed-projection op's kernel rows (more: unpack + cuBLAS)
+_SOURCES = ("ops.cpp", "decode_q8.cu", "packed_linear.cu", "packed_gemm.cu")
+KERNEL_MAX_ROWS = 32  # kKernelMaxRows: the packed-projection op's GEMV rows (more: packed_gemm + ATen folds)
 FP8_MAX_ROWS = 8  # kFp8MaxRows: the FP8 GEMV kernel's rows; the op runs cuBLAS's FP8 GEMM for more
 # Whether traced or eager projections may call these kernels (the KV decode has its own switch, the model's
 # ``native_kernels``): the export sets it for the methods it traces (``native_kernels=False`` keeps Triton and
@@ -80,6 +81,14 @@ def packed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     nw, ss, eps = norm if norm is not None else (None, None, 0.0)
     return torch.ops.onecopy_native.packed_linear(x, qweight, scales, mins, residual, nw, ss, eps, glu, layout, group,
                                                   invariant)
+
+
+def packed_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, layout: int,
+                group: int) -> torch.Tensor:
+    """x [M, K] (bfloat16) times a tile-ordered packed weight [N, K], any M: the packed GEMM (each weight fragment
+    dequantized in bf16 once per 64 rows) up to 256 rows, the weight unpacked for cuBLAS past that."""
+    load()
+    return torch.ops.onecopy_native.packed_gemm(x, qweight, scales, mins, layout, group)
 
 
 def unpack(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, layout: int, group: int,
@@ -166,6 +175,10 @@ def _register_fakes() -> None:
     def _(x, qweight, scales, mins, residual, norm_weight, ss, eps, glu, layout, group, invariant=False):
         n_out = qweight.shape[0] // 2 if glu else qweight.shape[0]
         return x.new_empty((x.shape[0], n_out)), x.new_empty((x.shape[0], n_out // 16), dtype=torch.float32)
+
+    @torch.library.register_fake(f"{LIBRARY}::packed_gemm")
+    def _(x, qweight, scales, mins, layout, group):
+        return x.new_empty((x.shape[0], qweight.shape[0]))
 
     @torch.library.register_fake(f"{LIBRARY}::unpack_weight")
     def _(qweight, scales, mins, layout, group, half):

@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "decode_q8.h"
+#include "packed_gemm.h"
 #include "packed_linear.h"
 
 namespace {
@@ -134,9 +135,100 @@ at::Tensor unpack_weight(const at::Tensor& qweight_in, const at::Tensor& scales_
   return out;
 }
 
-// Past kKernelMaxRows rows the kernel re-reads each weight tile once per 32 rows and loses to cuBLAS: the weight
-// is unpacked to bf16 (one kernel) for cuBLAS's GEMM, the folds run as ATen ops with the eager model's roundings.
-// A row's bits then depend on the batch size, so the batch-invariant decode (`invariant`) keeps the kernel.
+// The packed GEMM (packed_gemm.cu) serves up to kGemmMaxRows rows, for weights of at least half as many output
+// blocks as the GPU has SMs (one CTA a block of 256 outputs, 128 with SwiGLU; H200, int4 g128,
+// benchmarks/packed_gemm_cuda.py: the fused gate/up weight at 64 rows 79 us against 155 unpacked for cuBLAS, bf16
+// 64; 4096-output weights 2x slower than unpacking); at 128 rows and more cuBLAS on the unpacked weight is as fast
+// or faster.
+constexpr int64_t kGemmMaxRows = 64;
+
+onecopy_native::PackedGemmPlan gemm_plan_for(int64_t m, int64_t n, int64_t k, int64_t layout, int64_t group, bool glu) {
+  const onecopy_native::PackedGemmPlan none{0, 0, 0};
+  if (m > kGemmMaxRows) return none;
+  const auto plan = onecopy_native::packed_gemm_plan(static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
+                                                     static_cast<int>(layout), static_cast<int>(group), glu);
+  int device = 0, sms = 0;  // the current device: the caller's guard set it
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return plan.rows > 0 && 2 * plan.row_blocks * plan.col_blocks >= sms ? plan : none;
+}
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// x's rows as the kernels copy them, 16 bytes at a time: unit inner stride, rows 8 values apart, an aligned start.
+at::Tensor copyable_rows(const at::Tensor& x) {
+  return x.stride(1) == 1 && x.stride(0) % 8 == 0 && aligned16(x) ? x : x.contiguous();
+}
+
+// The packed GEMM with its folds (packed_gemm.h): out [M, N'] and, with `want_ss`, each row's sums of squares per
+// 16 outputs. The weight, scales and mins are contiguous and 16-byte aligned (the callers check).
+std::tuple<at::Tensor, at::Tensor> run_gemm(const onecopy_native::PackedGemmPlan& plan, const at::Tensor& x_in,
+                                            const at::Tensor& qweight, const at::Tensor& scales,
+                                            const std::optional<at::Tensor>& mins,
+                                            const std::optional<at::Tensor>& residual,
+                                            const std::optional<at::Tensor>& norm_weight,
+                                            const std::optional<at::Tensor>& ss, double eps, bool glu, int64_t layout,
+                                            int64_t group, bool want_ss) {
+  const auto x = copyable_rows(x_in);
+  const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0), n_out = glu ? n / 2 : n;
+  auto out = at::empty({m, n_out}, x.options());
+  at::Tensor ss_out, xn, res, nw;
+  onecopy_native::PackedGemmParams p{};
+  p.x = x.data_ptr();
+  p.stride_x = x.stride(0);
+  p.w = qweight.data_ptr();
+  p.s = scales.data_ptr<float>();
+  p.mn = mins.has_value() ? mins->data_ptr<float>() : nullptr;
+  if (norm_weight.has_value()) {
+    nw = norm_weight->contiguous();
+    nw = aligned16(nw) ? nw : nw.clone();
+    xn = at::empty({m, k}, x.options());
+    p.nw = nw.data_ptr();
+    p.ss = ss->data_ptr<float>();
+    p.stride_ss = ss->stride(0);
+    p.p_in = static_cast<int>(ss->size(1));
+    p.eps = static_cast<float>(eps);
+    p.xn = xn.data_ptr();
+  }
+  if (residual.has_value()) {
+    res = residual->stride(1) == 1 ? *residual : residual->contiguous();
+    p.res = res.data_ptr();
+    p.stride_r = res.stride(0);
+  }
+  if (want_ss) {
+    ss_out = at::empty({m, n_out / 16}, x.options().dtype(at::kFloat));
+    p.ss_out = ss_out.data_ptr<float>();
+  }
+  p.out = out.data_ptr();
+  p.stride_o = out.stride(0);
+  p.m = static_cast<int>(m); p.n = static_cast<int>(n); p.k = static_cast<int>(k);
+  p.group = static_cast<int>(group); p.layout = static_cast<int>(layout); p.glu = glu;
+  check_launch(onecopy_native::packed_gemm_launch(p, plan, c10::cuda::getCurrentCUDAStream().stream()), "packed_gemm");
+  return {out, ss_out};
+}
+
+// x [M, K] (bfloat16) @ W^T for a tile-ordered packed weight, any M: the packed GEMM where it serves
+// (gemm_plan_for), else the weight unpacked to bf16 (one kernel) and cuBLAS.
+at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& mins, int64_t layout, int64_t group) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bfloat16 [M, K]");
+  const int64_t per_byte = layout == onecopy_native::kQ8sMma ? 1 : 2;
+  const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0);
+  TORCH_CHECK(qweight.dim() == 2 && qweight.size(1) * per_byte == k && scales.scalar_type() == at::kFloat &&
+                  scales.numel() == n * (k / group),
+              "qweight [N, K / values per byte] and float32 scales [N, K / group] must match x's K");
+  TORCH_CHECK((layout == onecopy_native::kQ4aMma) == mins.has_value(), "mins go with the q4a layout alone");
+  c10::cuda::CUDAGuard guard(x.device());
+  const auto plan = gemm_plan_for(m, n, k, layout, group, false);
+  if (plan.rows == 0 || !qweight.is_contiguous() || !scales.is_contiguous() || !aligned16(qweight) ||
+      !aligned16(scales) || (mins.has_value() && (!mins->is_contiguous() || !aligned16(*mins))))
+    return at::matmul(x, unpack_weight(qweight, scales, mins, layout, group, false).t());
+  return std::get<0>(run_gemm(plan, x, qweight, scales, mins, std::nullopt, std::nullopt, std::nullopt, 0.0, false,
+                              layout, group, false));
+}
+
+// Past kKernelMaxRows rows, where the GEMM does not serve the weight (gemm_plan_for), the weight is unpacked for
+// cuBLAS (packed_gemm) and the folds run as ATen ops with the eager model's roundings.
 std::tuple<at::Tensor, at::Tensor> packed_linear_by_gemm(const at::Tensor& x, const at::Tensor& qweight,
                                                          const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                                                          const std::optional<at::Tensor>& residual,
@@ -144,14 +236,13 @@ std::tuple<at::Tensor, at::Tensor> packed_linear_by_gemm(const at::Tensor& x, co
                                                          const std::optional<at::Tensor>& ss, double eps, bool glu,
                                                          int64_t layout, int64_t group) {
   const int64_t m = x.size(0), k = x.size(1), n_out = glu ? qweight.size(0) / 2 : qweight.size(0);
-  const auto w = unpack_weight(qweight, scales, mins, layout, group, false);
   at::Tensor xin = x;
   if (norm_weight.has_value()) {  // the eager RMSNorm's roundings: x * rstd, then times the norm's weight
     const auto rstd = at::rsqrt(ss->sum({1}, true) / static_cast<double>(k) + eps);
     const auto xn = (x.to(at::kFloat) * rstd).to(at::kBFloat16);
     xin = (xn.to(at::kFloat) * norm_weight->to(at::kFloat)).to(at::kBFloat16);
   }
-  const auto acc = at::matmul(xin, w.t());  // bf16, as the eager linear
+  const auto acc = packed_gemm(xin, qweight, scales, mins, layout, group);  // bf16, as the eager linear
   at::Tensor y;
   if (glu) {  // silu(gate) * up, each rounded to bf16 as the kernel (and the eager ops) do
     const auto g = acc.slice(1, 0, n_out).to(at::kFloat);
@@ -185,8 +276,7 @@ std::tuple<at::Tensor, at::Tensor> packed_linear(const at::Tensor& x_in, const a
   TORCH_CHECK(!mins.has_value() || (mins->is_contiguous() && mins->scalar_type() == at::kFloat &&
                                     mins->numel() == scales.numel()),
               "mins must be float32 and contiguous, shaped as the scales");
-  // the kernel copies weights, scales and mins 16 bytes at a time (cp.async)
-  const auto aligned16 = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
+  // the kernels copy weights, scales and mins 16 bytes at a time (cp.async)
   TORCH_CHECK(aligned16(qweight) && aligned16(scales) && (!mins.has_value() || aligned16(*mins)),
               "packed_linear: qweight, scales and mins must start at 16-byte aligned addresses (a view into a larger "
               "tensor may not): pass a copy (.clone())");
@@ -196,6 +286,23 @@ std::tuple<at::Tensor, at::Tensor> packed_linear(const at::Tensor& x_in, const a
               "unsupported packed weight (packed_linear_supported): layout ", layout, ", group ", group, ", [", n, ", ",
               k, "]");
   c10::cuda::CUDAGuard guard(x.device());
+  if (norm_weight.has_value())
+    TORCH_CHECK(ss.has_value() && norm_weight->is_contiguous() && norm_weight->numel() == k &&
+                    norm_weight->scalar_type() == at::kBFloat16 && ss->scalar_type() == at::kFloat &&
+                    ss->dim() == 2 && ss->size(0) == m && ss->stride(1) == 1,
+                "a norm needs its bfloat16 weight [K] and float32 partial sums of squares [M, P]");
+  if (residual.has_value())
+    TORCH_CHECK(residual->scalar_type() == at::kBFloat16 && residual->dim() == 2 && residual->size(0) == m &&
+                    residual->size(1) == n_out, "residual must be bfloat16 [M, N]");
+  // Past 8 rows the packed GEMM with the same folds where it serves the weight (H200, int4 g128, the 8B shape's fused
+  // gate/up weight with its norm and SwiGLU: 16 rows ~42 us against the GEMV's 59, 32 rows 53 against 104; the LM
+  // head at 32 rows 195 against 355, bf16 258); past kKernelMaxRows (32) the GEMV re-reads each weight tile once per
+  // 32 rows: the unpacked weight and cuBLAS. The batch-invariant decode keeps the GEMV.
+  if (!invariant && m > 8) {
+    const auto plan = gemm_plan_for(m, n, k, layout, group, glu);
+    if (plan.rows > 0)
+      return run_gemm(plan, x, qweight, scales, mins, residual, norm_weight, ss, eps, glu, layout, group, true);
+  }
   if (!invariant && m > onecopy_native::kKernelMaxRows)
     return packed_linear_by_gemm(x, qweight, scales, mins, residual, norm_weight, ss, eps, glu, layout, group);
   auto out = at::empty({m, n_out}, x.options());
@@ -207,10 +314,6 @@ std::tuple<at::Tensor, at::Tensor> packed_linear(const at::Tensor& x_in, const a
   p.s = scales.data_ptr<float>();
   p.mn = mins.has_value() ? mins->data_ptr<float>() : nullptr;
   if (norm_weight.has_value()) {
-    TORCH_CHECK(ss.has_value() && norm_weight->is_contiguous() && norm_weight->numel() == k &&
-                    norm_weight->scalar_type() == at::kBFloat16 && ss->scalar_type() == at::kFloat &&
-                    ss->dim() == 2 && ss->size(0) == m && ss->stride(1) == 1,
-                "a norm needs its bfloat16 weight [K] and float32 partial sums of squares [M, P]");
     p.nw = norm_weight->data_ptr();
     p.ss = ss->data_ptr<float>();
     p.stride_ss = ss->stride(0);
@@ -219,8 +322,6 @@ std::tuple<at::Tensor, at::Tensor> packed_linear(const at::Tensor& x_in, const a
   }
   at::Tensor res;
   if (residual.has_value()) {
-    TORCH_CHECK(residual->scalar_type() == at::kBFloat16 && residual->dim() == 2 && residual->size(0) == m &&
-                    residual->size(1) == n_out, "residual must be bfloat16 [M, N]");
     res = residual->stride(1) == 1 ? *residual : residual->contiguous();
     p.res = res.data_ptr();
     p.stride_r = res.stride(0);
@@ -292,6 +393,7 @@ TORCH_LIBRARY(onecopy_native, m) {
   m.def("packed_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? residual, Tensor? norm_weight, "
         "Tensor? ss, float eps, bool glu, int layout, int group, bool invariant=False) -> (Tensor, Tensor)");
   m.def("unpack_weight(Tensor qweight, Tensor scales, Tensor? mins, int layout, int group, bool half) -> Tensor");
+  m.def("packed_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int layout, int group) -> Tensor");
   m.def("fp8_linear(Tensor x, Tensor w, Tensor ws) -> Tensor");
 }
 
@@ -300,5 +402,6 @@ TORCH_LIBRARY_IMPL(onecopy_native, CUDA, m) {
   m.impl("paged_decode_rope_q8", &paged_decode_rope_q8);
   m.impl("packed_linear", &packed_linear);
   m.impl("unpack_weight", &unpack_weight);
+  m.impl("packed_gemm", &packed_gemm);
   m.impl("fp8_linear", &fp8_linear);
 }

@@ -1,0 +1,50 @@
+// The launch interface of packed_gemm.cu (no torch headers, so that nvcc compiles it alone and quickly).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace onecopy_native {
+
+// y = x @ W^T for many rows (a wide decode step), W a tile-ordered packed weight (the layouts of packed_linear.h,
+// models/mma_order.py's order), with packed_linear.h's folds: an RMSNorm of x before (`nw`, the partial sums of
+// squares `ss` [M, p_in], eps; the normed rows go to `xn` [M, K], the caller's buffer), SwiGLU of a fused gate/up
+// weight after (`glu`: W has 2 N' rows, the up rows after the gate rows), a residual add (`res` [M, N']), each
+// row's sum of squares per 16 outputs (`ss_out` [M, N' / 16], optional). x, nw, xn, res, out: bfloat16 (out
+// [M, N'], N' = N or N / 2 with glu); strides in elements.
+struct PackedGemmParams {
+  const void* x;
+  int64_t stride_x;
+  const void* w;
+  const float* s;
+  const float* mn;
+  const void* nw;
+  const float* ss;
+  int64_t stride_ss;
+  int p_in;
+  float eps;
+  void* xn;
+  const void* res;
+  int64_t stride_r;
+  void* out;
+  int64_t stride_o;
+  float* ss_out;
+  int m, n, k, group, layout;
+  bool glu;
+};
+
+// How a launch covers [M, N']: blocks of `rows` rows (16, 32 or 64) by 256 outputs (128 with glu). `rows` is 0 where
+// the GEMM does not take the weight (K a multiple of 128, the layouts and groups of packed_linear_supported) or its
+// shared memory does not fit this device.
+struct PackedGemmPlan {
+  int rows;
+  int row_blocks, col_blocks;
+};
+
+// The plan for these rows and this weight on the current device (rows 0: unsupported, use another path).
+PackedGemmPlan packed_gemm_plan(int m, int n, int k, int layout, int group, bool glu);
+// 0, or the CUDA error of the launch (-1: a plan of no rows).
+int packed_gemm_launch(const PackedGemmParams& p, const PackedGemmPlan& plan, cudaStream_t stream);
+
+}  // namespace onecopy_native
