@@ -73,9 +73,10 @@ struct UnpackParams {
   bool bf16;
 };
 
-// Rows the packed-projection op runs the kernel for (more: the weight unpacked for cuBLAS, ops.cpp), except in
-// the batch-invariant decode. H200, 8B projections (benchmarks/results/native_linear_h200.json): the kernel is
-// ahead up to 16 rows and 1.3-2x behind bf16 cuBLAS at 64, where unpacking costs a write and a read of bf16.
+// Rows the packed-projection op runs this GEMV for at most (more: the packed GEMM of packed_gemm.cu where it serves
+// the weight, else the weight unpacked for cuBLAS; ops.cpp, which also takes the GEMM past 8 rows where it serves),
+// except in the batch-invariant decode, which runs it at every size. H200, 8B projections
+// (benchmarks/results/native_linear_h200.json): ahead up to 16 rows, 1.3-2x behind bf16 cuBLAS at 64.
 constexpr int kKernelMaxRows = 32;
 // Rows the FP8 kernel takes (one n-tile; past that cuBLAS's FP8 GEMM, its rows quantized by one kernel: at 16 rows
 // the kernel's two n-tiles measured 1.3-1.6x cuBLAS's time on the 4096-wide projections, H200,
