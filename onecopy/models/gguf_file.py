@@ -1,6 +1,7 @@
 """GGUF files (llama.cpp): dequantize with the `gguf` package into HF-named tensors (and repack the quantized
 ones losslessly, `gguf_repack`, for the layers that keep them packed: `quantize.pack_gguf`), and rebuild the
-tokenizer."""
+tokenizer. Llama-family architectures here; Qwen3.5's (``qwen35``, ``qwen35moe``) through `gguf_qwen3_5`, whose
+tensors come back as floats (packing them as stored is for later)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import torch
 
 from ..errors import ModelSourceError
-from . import gguf_repack
+from . import gguf_qwen3_5, gguf_repack
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -37,7 +38,7 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
-    """Return (HF config dict, HF-named float32 state dict, tokenizer info, packed) of a Llama-family GGUF;
+    """Return (HF config dict, HF-named float32 state dict, tokenizer info, packed) of a Llama-family or Qwen3.5 GGUF;
     ``packed`` holds each tensor of a type that can stay quantized (`gguf_repack.SUPPORTED`), repacked
     (`gguf_repack.PackedWeight`, HF name), next to its float32 dequantization in the state dict."""
     try:
@@ -49,8 +50,12 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict
     except Exception as e:  # gguf raises plain ValueError/struct errors on bad files
         raise ModelSourceError(f"{path} is not a readable GGUF file ({e}); check the download") from e
     arch = _field(reader, "general.architecture")
+    if arch in gguf_qwen3_5.ARCHS:
+        config, sd = _read_qwen3_5(reader, arch, gguf)
+        return config, sd, _tokenizer(reader), {}
     if arch not in ("llama", "qwen2", "qwen3"):
-        raise ModelSourceError(f"GGUF architecture {arch!r} is not supported; use a llama/qwen2/qwen3 GGUF")
+        raise ModelSourceError(f"GGUF architecture {arch!r} is not supported; use a llama/qwen2/qwen3/qwen35/qwen35moe "
+                               "GGUF")
     g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
     n_head, n_kv = g("attention.head_count"), g("attention.head_count_kv") or g("attention.head_count")
     names = {t.name for t in reader.tensors}
@@ -94,7 +99,11 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict
             packed[name] = p
     if arch == "qwen2":
         config["attention_bias"] = True
-    tok = {
+    return config, sd, _tokenizer(reader), packed
+
+
+def _tokenizer(reader: Any) -> dict[str, Any]:
+    return {
         "model": _field(reader, "tokenizer.ggml.model"), "pre": _field(reader, "tokenizer.ggml.pre"),
         "tokens": list(_field(reader, "tokenizer.ggml.tokens")),
         "token_type": list(_field(reader, "tokenizer.ggml.token_type", [])),
@@ -103,7 +112,19 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "chat_template": _field(reader, "tokenizer.chat_template"),
     }
-    return config, sd, tok, packed
+
+
+def _read_qwen3_5(reader: Any, arch: str, gguf: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A Qwen3.5 GGUF as (transformers text config, float32 transformers state dict): `gguf_qwen3_5`."""
+    names = {t.name for t in reader.tensors}
+    config = gguf_qwen3_5.hf_config(arch, lambda k, d: _field(reader, f"{arch}.{k}", d), names,
+                                    len(_field(reader, "tokenizer.ggml.tokens", [])))
+    tensors = gguf_qwen3_5.Qwen35Tensors(config)
+    for t in reader.tensors:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        shape = tuple(reversed(t.shape.tolist()))
+        tensors.add(t.name, torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)).reshape(shape))
+    return config, tensors.finish()
 
 
 def tokenizer_json_from_gguf(tok: dict[str, Any]) -> str:

@@ -1,0 +1,58 @@
+"""Qwen3.5 GGUF files (llama.cpp's ``qwen35`` / ``qwen35moe``): written by a mirror of llama.cpp's converter
+(tests/gguf_writer.py), read back by `models.gguf_qwen3_5` into the very checkpoint and model they came from."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from onecopy.errors import ModelSourceError
+from onecopy.models.source import preset_source, resolve_source
+
+from .gguf_writer import write_qwen35_gguf
+
+PROMPT = [3, 17, 250, 9, 41, 77, 5, 300, 128]
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-qwen3.5-moe"])
+def test_a_float_gguf_reads_back_the_checkpoint_and_the_model(preset, tmp_path):
+    """F32 tensors: every transformers tensor back under its name (1 + w norms, -exp(A_log), the value heads tiled
+    by llama.cpp for 2 key / 4 value heads, the conv squeezed, the expert stacks joined as gate_up_proj), the same
+    config (its layer pattern from ``attention.recurrent_layers``), and the eager model's logits."""
+    src = preset_source(preset)
+    loaded = resolve_source(write_qwen35_gguf(tmp_path / "m.gguf", src))
+    assert loaded.family == src.family
+    assert {**loaded.config.to_dict(), "linear_chunk_size": 0} == {**src.config.to_dict(), "linear_chunk_size": 0}
+    assert loaded.hf_state_dict.keys() == src.hf_state_dict.keys()
+    for name, want in src.hf_state_dict.items():
+        torch.testing.assert_close(loaded.hf_state_dict[name], want.float(), atol=1e-6, rtol=1e-6, msg=name)
+    with torch.no_grad():
+        ref = src.build(64, torch.float32)(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))
+        got = loaded.build(64, torch.float32)(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+def test_a_quantized_gguf_dequantizes_and_skips_the_mtp_block(tmp_path):
+    """Q8_0 matrices (the norms, conv, routers and 1-D tensors stay F32, as the converter keeps them) come back
+    within Q8_0's rounding of the checkpoint, the F32 ones exactly; the multi-token-prediction block that newer
+    converters write after the layers (``nextn_predict_layers``) is left out."""
+    src = preset_source("tiny-qwen3.5-moe")
+    loaded = resolve_source(write_qwen35_gguf(tmp_path / "m.gguf", src, qtype=Q.Q8_0, mtp=True))
+    assert loaded.config.n_layers == src.config.n_layers and loaded.hf_state_dict.keys() == src.hf_state_dict.keys()
+    for name, want in src.hf_state_dict.items():
+        got, want = loaded.hf_state_dict[name], want.float()
+        quantized = want.dim() >= 2 and "conv1d" not in name and not name.endswith(("mlp.gate.weight", "expert_gate.weight"))
+        bound = float(want.abs().max()) / 200 if quantized else 1e-6  # Q8_0: half a step of max|block| / 127
+        assert float((got - want).abs().max()) <= bound, name
+        if quantized:
+            assert not torch.equal(got, want), name  # it was quantized
+
+
+def test_an_unknown_tensor_is_named_in_the_error(tmp_path):
+    src = preset_source("tiny-qwen3.5-moe")
+    path = write_qwen35_gguf(tmp_path / "m.gguf", src, extra=(("blk.0.attn_q.weight", np.zeros((64, 64), np.float32)),))
+    with pytest.raises(ModelSourceError, match=r"GGUF tensor blk\.0\.attn_q\.weight is not understood for a DeltaNet "
+                                               r"layer of qwen3_5_moe_text"):
+        resolve_source(path)
