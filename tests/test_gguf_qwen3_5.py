@@ -56,3 +56,60 @@ def test_an_unknown_tensor_is_named_in_the_error(tmp_path):
     with pytest.raises(ModelSourceError, match=r"GGUF tensor blk\.0\.attn_q\.weight is not understood for a DeltaNet "
                                                r"layer of qwen3_5_moe_text"):
         resolve_source(path)
+
+
+def test_quantized_matrices_stay_packed_and_compute_as_their_floats(tmp_path):
+    """Q4_1 matrices: the attention and shared-expert projections, the LM head and each MoE layer's routed-expert
+    stacks (gate and up joined per expert) keep their GGUF values packed (q4a, group 32), DeltaNet's output
+    projection stays float where its value-head blocks (16 values here) are not whole groups, DeltaNet's input
+    projection and the routers stay float as ever; the packed model's logits are the float model's on the same
+    dequantized values (to the CPU kernel's summation order)."""
+    import copy
+
+    from onecopy.models.linear import PackedLinear
+    from onecopy.models.packed import PackedExperts
+    from onecopy.models.quantize import pack_gguf, packed_layers
+
+    src = resolve_source(write_qwen35_gguf(tmp_path / "m.gguf", preset_source("tiny-qwen3.5-moe"), qtype=Q.Q4_1))
+    float_model = src.build(64, torch.float32)
+    model = copy.deepcopy(float_model)
+    sources, kept_float = pack_gguf(model, src.packed)
+    assert kept_float == []
+    assert isinstance(model.layers[1].self_attn.wqkv, PackedLinear) and isinstance(model.layers[1].self_attn.wo, PackedLinear)
+    assert isinstance(model.layers[0].mlp.shared_expert.w13, PackedLinear) and isinstance(model.lm_head, PackedLinear)
+    for i in range(4):
+        for attr in ("gate_up_proj", "down_proj"):
+            w = getattr(model.layers[i].mlp.experts, attr)
+            assert isinstance(w, PackedExperts) and (w.layout, w.group) == ("q4a", 32), (i, attr)
+            assert sources[f"layers.{i}.mlp.experts.{attr}"] == "Q4_1"
+    assert not isinstance(model.layers[0].linear_attn.out_proj, PackedLinear)  # dv 16 < group 32
+    assert not isinstance(model.layers[0].linear_attn.in_proj, PackedLinear)
+    assert packed_layers(model, sources)["layers.0.mlp.experts.gate_up_proj"]["shape"] == [4, 64, 64]
+    with torch.no_grad():
+        want = float_model(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))
+        got = model(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_deltanet_output_projection_stays_packed_with_its_value_heads_put_back(tmp_path):
+    """Value heads of 32 (whole Q8_0 groups): ``ssm_out``'s tiled column blocks are put back in the packed values
+    and scales themselves, and the packed model computes as the float one."""
+    import copy
+    from dataclasses import replace
+
+    from onecopy.models.linear import PackedLinear
+    from onecopy.models.presets import random_hf_state_dict
+    from onecopy.models.quantize import pack_gguf
+
+    base = preset_source("tiny-qwen3.5")
+    cfg = replace(base.config, linear_k_head_dim=32, linear_v_head_dim=32)
+    base = replace(base, config=cfg, hf_state_dict=random_hf_state_dict(cfg, 1))
+    src = resolve_source(write_qwen35_gguf(tmp_path / "m.gguf", base, qtype=Q.Q8_0))
+    float_model = src.build(64, torch.float32)
+    model = copy.deepcopy(float_model)
+    pack_gguf(model, src.packed)
+    assert isinstance(model.layers[0].linear_attn.out_proj, PackedLinear)
+    with torch.no_grad():
+        want = float_model(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))
+        got = model(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

@@ -1,7 +1,6 @@
 """GGUF files (llama.cpp): dequantize with the `gguf` package into HF-named tensors (and repack the quantized
 ones losslessly, `gguf_repack`, for the layers that keep them packed: `quantize.pack_gguf`), and rebuild the
-tokenizer. Llama-family architectures here; Qwen3.5's (``qwen35``, ``qwen35moe``) through `gguf_qwen3_5`, whose
-tensors come back as floats (packing them as stored is for later)."""
+tokenizer. Llama-family architectures here; Qwen3.5's (``qwen35``, ``qwen35moe``) through `gguf_qwen3_5`."""
 
 from __future__ import annotations
 
@@ -51,8 +50,8 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict
         raise ModelSourceError(f"{path} is not a readable GGUF file ({e}); check the download") from e
     arch = _field(reader, "general.architecture")
     if arch in gguf_qwen3_5.ARCHS:
-        config, sd = _read_qwen3_5(reader, arch, gguf)
-        return config, sd, _tokenizer(reader), {}
+        config, sd, packed = _read_qwen3_5(reader, arch, gguf)
+        return config, sd, _tokenizer(reader), packed
     if arch not in ("llama", "qwen2", "qwen3"):
         raise ModelSourceError(f"GGUF architecture {arch!r} is not supported; use a llama/qwen2/qwen3/qwen35/qwen35moe "
                                "GGUF")
@@ -114,8 +113,8 @@ def _tokenizer(reader: Any) -> dict[str, Any]:
     }
 
 
-def _read_qwen3_5(reader: Any, arch: str, gguf: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """A Qwen3.5 GGUF as (transformers text config, float32 transformers state dict): `gguf_qwen3_5`."""
+def _read_qwen3_5(reader: Any, arch: str, gguf: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
+    """A Qwen3.5 GGUF as (transformers text config, float32 transformers state dict, packed): `gguf_qwen3_5`."""
     names = {t.name for t in reader.tensors}
     config = gguf_qwen3_5.hf_config(arch, lambda k, d: _field(reader, f"{arch}.{k}", d), names,
                                     len(_field(reader, "tokenizer.ggml.tokens", [])))
@@ -123,8 +122,9 @@ def _read_qwen3_5(reader: Any, arch: str, gguf: Any) -> tuple[dict[str, Any], di
     for t in reader.tensors:
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         shape = tuple(reversed(t.shape.tolist()))
-        tensors.add(t.name, torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)).reshape(shape))
-    return config, tensors.finish()
+        p = gguf_repack.repack(t.tensor_type, t.data, shape) if t.tensor_type in gguf_repack.SUPPORTED else None
+        tensors.add(t.name, torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)).reshape(shape), p)
+    return config, tensors.finish(), tensors.packed
 
 
 def tokenizer_json_from_gguf(tok: dict[str, Any]) -> str:

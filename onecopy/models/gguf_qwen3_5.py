@@ -14,6 +14,10 @@ read at commit 0c1e5709) changes the checkpoint on the way; this module undoes e
 The gated attention's q_proj (query and gate interleaved per head) is stored as it is, without llama's
 RoPE row permutation. A multi-token-prediction block (``blk.{n_layer}``, ``nextn.*``) is skipped. Values come
 back in float32: exact but for the 1 + w round trip (error <= 6e-8 for |w| < 2^-16) and exp / log (an ulp).
+Quantized tensors of the types `gguf_repack` takes are also kept repacked (``packed``, by transformers name, for
+`quantize.pack_gguf`) where the converter moved no value inside them: the attention and expert projections, the
+shared expert, the LM head, and DeltaNet's output projection when its value-head blocks are whole scale groups
+(the layers the packing replaces; DeltaNet's input projection and the routers stay float anyway).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import numpy as np
 import torch
 
 from ..errors import ModelSourceError
+from ..layouts import LAYOUTS
+from .gguf_repack import PackedWeight
 
 ARCHS = ("qwen35", "qwen35moe")
 
@@ -40,6 +46,10 @@ _MOE = {"ffn_gate_inp.weight": "gate.weight", "ffn_gate_inp_shexp.weight": "shar
         "ffn_down_shexp.weight": "shared_expert.down_proj.weight", "ffn_down_exps.weight": "experts.down_proj",
         "ffn_gate_up_exps.weight": "experts.gate_up_proj"}
 _DENSE = {"ffn_gate.weight": "gate_proj.weight", "ffn_up.weight": "up_proj.weight", "ffn_down.weight": "down_proj.weight"}
+# quantized matrices the converter stores as they are (packable as read; the expert gate / up stacks are joined)
+_AS_STORED = {"token_embd.weight", "output.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+              "attn_output.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight",
+              "ffn_down_exps.weight", "ffn_gate_up_exps.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"}
 _PLUS_ONE = ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight")
 
 
@@ -108,15 +118,44 @@ class Qwen35Tensors:
         self.key_dim = self.nk * config["linear_key_head_dim"]
         self.dv = config["linear_value_head_dim"]
         self.sd: dict[str, torch.Tensor] = {}
+        self.packed: dict[str, PackedWeight] = {}
         self._experts: dict[int, dict[str, torch.Tensor]] = {}
+        self._packed_experts: dict[int, dict[str, PackedWeight]] = {}
 
     def _untile(self, t: torch.Tensor, dim: int, head_dim: int) -> torch.Tensor:
         if self.nk == self.nv:
             return t
         return _v_heads(t, dim, self.nv // self.nk, self.nk, head_dim)
 
-    def add(self, name: str, w: torch.Tensor) -> str | None:
-        """Record one GGUF tensor (float32, transformers' shape order); its transformers name, or None if skipped."""
+    def add(self, name: str, w: torch.Tensor, packed: PackedWeight | None = None) -> str | None:
+        """Record one GGUF tensor (float32, transformers' shape order) and, if it is quantized, its repacked form;
+        its transformers name, or None if skipped."""
+        hf = self._add(name, w)
+        if packed is None or hf is None:
+            return hf
+        kind = name.split(".", 2)[2] if name.startswith("blk.") else name
+        if kind in ("ffn_gate_exps.weight", "ffn_up_exps.weight"):
+            self._packed_experts.setdefault(int(name.split(".")[1]), {})[kind.split("_")[1]] = packed
+        elif kind == "ssm_out.weight":
+            untiled = self._untile_packed(packed)
+            if untiled is not None:
+                self.packed[hf] = untiled
+        elif kind in _AS_STORED:
+            self.packed[hf] = packed
+        return hf
+
+    def _untile_packed(self, p: PackedWeight) -> PackedWeight | None:
+        """``ssm_out`` packed with its value-head column blocks put back, or None if a block is not whole groups."""
+        if self.nk == self.nv:
+            return p
+        if self.dv % p.group or self.dv % LAYOUTS[p.layout][0]:
+            return None
+        r = self.nv // self.nk
+        parts = [None if t is None else _v_heads(t, 1, r, self.nk, t.shape[1] // self.nv)
+                 for t in (p.qweight, p.scales, p.mins)]
+        return PackedWeight(p.layout, p.shape, p.group, parts[0], parts[1], parts[2], p.qtype)
+
+    def _add(self, name: str, w: torch.Tensor) -> str | None:
         top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                "output.weight": "lm_head.weight"}
         if name in top:
@@ -172,5 +211,15 @@ class Qwen35Tensors:
                 raise ModelSourceError(f"layer {i} of the GGUF has ffn_{'/'.join(parts)}_exps alone; both gate and "
                                        "up expert stacks are needed")
             self.sd[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.cat([parts["gate"], parts["up"]], dim=1)
-        self._experts = {}
+        for i, pp in self._packed_experts.items():  # both stacks packed alike: joined per expert, gate rows first
+            g, u = pp.get("gate"), pp.get("up")
+            if g is None or u is None or (g.layout, g.group) != (u.layout, u.group):
+                continue
+            e, f, k = g.shape
+            parts = [None if a is None else torch.cat([a.reshape(e, f, -1), b.reshape(e, f, -1)], 1).reshape(2 * e * f, -1)
+                     for a, b in ((g.qweight, u.qweight), (g.scales, u.scales), (g.mins, u.mins))]
+            qtype = g.qtype if g.qtype == u.qtype else f"{g.qtype}+{u.qtype}"
+            self.packed[f"model.layers.{i}.mlp.experts.gate_up_proj"] = PackedWeight(g.layout, (e, 2 * f, k), g.group,
+                                                                                   parts[0], parts[1], parts[2], qtype)
+        self._experts, self._packed_experts = {}, {}
         return self.sd

@@ -141,18 +141,37 @@ _GGUF_PARTS = {
 }
 
 
+# Qwen3.5: onecopy module -> the HF tensors it fuses (layer i; a layer of the other kind or MLP has none of them)
+_GGUF_PARTS_QWEN3_5 = {
+    "self_attn.wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn.wo": ("self_attn.o_proj",),
+    "linear_attn.out_proj": ("linear_attn.out_proj",), "mlp.w13": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.w2": ("mlp.down_proj",), "mlp.shared_expert.w13": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+    "mlp.shared_expert.w2": ("mlp.shared_expert.down_proj",),
+}
+
+
 def pack_gguf(model: nn.Module, packed: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
-    """Replace the layers of a Llama-family ``model`` whose GGUF tensors (``packed``: HF name ->
-    `gguf_repack.PackedWeight`) stayed quantized. Returns (layer -> its GGUF type(s), the fused layers
-    kept float): a fused layer whose parts differ in layout or group (a Q4_K_M file's Q6_K v next to
-    Q4_K q and k) keeps the float weight it was built with (the export says so)."""
-    _check_family(model, "packed GGUF weights")
-    plan = {f"layers.{i}.{m}": [f"model.layers.{i}.{p}.weight" for p in parts]
-            for i in range(len(model.layers)) for m, parts in _GGUF_PARTS.items()}
-    plan["tok_embeddings"] = ["model.embed_tokens.weight"]
-    if hasattr(model, "output"):
-        plan["output"] = ["lm_head.weight"]
-    kept_float, sources = [], {}
+    """Replace the layers of a Llama- or Qwen3.5-family ``model`` whose GGUF tensors (``packed``: HF name ->
+    `gguf_repack.PackedWeight`) stayed quantized (Qwen3.5: its routed-expert stacks too). Returns (layer -> its
+    GGUF type(s), the fused layers kept float): a fused layer whose parts differ in layout or group (a Q4_K_M
+    file's Q6_K v next to Q4_K q and k) keeps the float weight it was built with (the export says so)."""
+    from .qwen3_5 import Qwen35
+
+    _check_family(model, "packed GGUF weights", (Qwen35,))
+    if isinstance(model, Qwen35):
+        plan = {f"layers.{i}.{m}": [f"model.layers.{i}.{p}.weight" for p in parts]
+                for i in range(len(model.layers)) for m, parts in _GGUF_PARTS_QWEN3_5.items()}
+        if not model.config.tie_embeddings:  # a tied table is the LM head's weight too: it stays float
+            plan["lm_head"] = ["lm_head.weight"]
+        sources = _pack_gguf_experts(model, packed)
+    else:
+        plan = {f"layers.{i}.{m}": [f"model.layers.{i}.{p}.weight" for p in parts]
+                for i in range(len(model.layers)) for m, parts in _GGUF_PARTS.items()}
+        plan["tok_embeddings"] = ["model.embed_tokens.weight"]
+        if hasattr(model, "output"):
+            plan["output"] = ["lm_head.weight"]
+        sources = {}
+    kept_float = []
     for name, parts in plan.items():
         ws = [packed.get(p) for p in parts]
         if any(w is None for w in ws):
@@ -165,6 +184,24 @@ def pack_gguf(model: nn.Module, packed: dict[str, Any]) -> tuple[dict[str, str],
         _replace(model, name, Packed(ws[0].layout, ws[0].group, *cat))
         sources[name] = "+".join(dict.fromkeys(w.qtype for w in ws))
     return sources, kept_float
+
+
+def _pack_gguf_experts(model: nn.Module, packed: dict[str, Any]) -> dict[str, str]:
+    """A Qwen3.5 MoE's routed-expert stacks that a GGUF holds quantized, as `packed.PackedExperts` (in place)."""
+    sources = {}
+    for i, layer in enumerate(model.layers):
+        experts = getattr(layer.mlp, "experts", None)
+        for attr in ("gate_up_proj", "down_proj") if experts is not None else ():
+            w = packed.get(f"model.layers.{i}.mlp.experts.{attr}")
+            if w is None:
+                continue
+            e, n, _ = w.shape
+            parts = [None if t is None else t.reshape(e, n, -1).to(getattr(experts, attr).device)
+                     for t in (w.qweight, w.scales, w.mins)]
+            delattr(experts, attr)  # a parameter's name cannot take a module
+            setattr(experts, attr, PackedExperts(w.layout, w.group, *parts))
+            sources[f"layers.{i}.mlp.experts.{attr}"] = w.qtype
+    return sources
 
 
 def order_tiles(model: nn.Module) -> list[str]:
