@@ -3,9 +3,9 @@ whose weight stays packed (its forward is `matmul`).
 
 A packed weight (`packed.Packed`) is read as it is stored by a C++ kernel on the CPU (`kernels.cpu`: float32
 rows, groups of 32 and more; other CPU cases dequantize it in the graph), read by the native packed GEMM in a
-CUDA prefill where it is tile-ordered (`kernels.native.packed_gemm`; else dequantized for cuBLAS by one kernel,
-`kernels.dequantize`); a CUDA decode step, and a prefill's LM head on its
-one row, instead read it packed inside the small-linear kernel (`projections`, `kernels.small_linear`),
+CUDA prefill where it is tile-ordered (`kernels.native.packed_gemm`, bf16 rows without a bias; else dequantized
+for cuBLAS by one kernel, `kernels.dequantize`); a CUDA decode step, and a prefill's LM head on its one row,
+instead read it packed inside the small-linear kernel (`projections`, `kernels.small_linear`),
 which dequantizes each tile as it goes; a batch-invariant decode reads it through
 `invariant.linear_rows`. An ``f8r`` weight takes `packed.fp8_linear` everywhere (CPU and CUDA, any
 number of rows).
@@ -31,7 +31,7 @@ from .packed import (ACTIVATION_QUANTIZED, LAYOUT_IDS, MMA_LAYOUT_IDS, Packed, P
 def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, bias)`` for a float or a packed weight. On the CPU a packed one is read packed by
     `kernels.cpu.packed_linear` where it serves (else dequantized in the graph). On CUDA a tile-ordered one
-    (bf16 rows) goes through `kernels.native.packed_gemm`; others are dequantized for cuBLAS by one kernel
+    (bf16 rows, no bias) goes through `kernels.native.packed_gemm`; others are dequantized for cuBLAS by one kernel
     (`kernels.dequantize`), except where few rows read
     it: a batch-invariant CUDA decode (`invariant.linear_rows`) and, on CUDA, any product of a fixed
     number of at most `kernels.SMALL_LINEAR_ROWS` rows (a prefill's LM head on its last position), which
@@ -49,9 +49,9 @@ def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         return F.linear(x, dequantize(w, x.dtype), bias)
     elif isinstance(rows.shape[0], int) and rows.shape[0] <= kernels.SMALL_LINEAR_ROWS:
         y = kernel_linear(rows, w)[0]
-    elif w.layout in MMA_LAYOUT_IDS and x.dtype == torch.bfloat16:  # tile-ordered: the native packed GEMM
+    elif w.layout in MMA_LAYOUT_IDS and x.dtype == torch.bfloat16 and bias is None:  # tile-ordered: the packed GEMM
         y = native.packed_gemm(rows, w.qweight, w.scales, w.mins, MMA_LAYOUT_IDS[w.layout], w.group)
-    elif w.layout in MMA_LAYOUT_IDS:  # (float16 rows) the native kernel writes the float copy
+    elif w.layout in MMA_LAYOUT_IDS:  # (float16 rows, or a bias: one rounding) the native kernel writes the float copy
         return F.linear(x, native.unpack(w.qweight, w.scales, w.mins, MMA_LAYOUT_IDS[w.layout], w.group, x.dtype), bias)
     else:
         return F.linear(x, kernels.dequantize(w.qweight, w.scales, w.mins, LAYOUT_IDS[w.layout], w.group, x.dtype), bias)

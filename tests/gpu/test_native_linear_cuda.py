@@ -168,17 +168,19 @@ def test_native_packed_linear_rows_stay_independent_with_folds_and_many_tiles_a_
 def test_native_packed_gemm_matches_float64_for_many_rows_and_is_deterministic():
     """The packed GEMM (kernels/native/packed_gemm.cu) for 16 to 300 rows, every layout and group: within two bf16
     ulps of float64 on the weight as it dequantizes it (s and m in bf16, s q + m rounded once to bf16: Marlin's
-    arithmetic), and within 6x of the eager bf16 product on the float32 dequantization; a weight of enough
-    256-feature blocks for the GEMM (17408 = 68 blocks) and one past N's last block (784: 49 tiles, a warp's second
-    tile and a block's last tiles empty), and the paths it leaves to cuBLAS on the unpacked weight (4096 outputs:
-    16 blocks; K = 576, not a multiple of the 128-value stage; past 64 rows); the same bits on every call. The
-    decode op without folds takes the GEMM past 8 rows where it serves (its rows' sums of squares its own)."""
+    arithmetic), and within 6x of the eager bf16 product on the float32 dequantization; weights of enough
+    256-feature blocks for the GEMM (17408 = 68 whole blocks; 17424 = 1089 tiles: its last block one tile, a warp's
+    second tile and seven warps' tiles empty), which it takes (not cuBLAS's bits on the unpacked weight), and the
+    paths it leaves to cuBLAS on the unpacked weight (4096 outputs: 16 blocks; K = 576, not a multiple of the
+    128-value stage; past 64 rows); the same bits on every call. The decode op without folds takes the GEMM past 8
+    rows where it serves (its rows' sums of squares its own)."""
     from onecopy.kernels import native
     from onecopy.layouts import MMA_LAYOUT_IDS
     from onecopy.models.packed import dequantize
 
     torch.manual_seed(2)
-    for n, k in ((17408, 1024), (784, 1024), (4096, 4096), (512, 576)):
+    served = (17408, 17424)
+    for n, k in ((17408, 1024), (17424, 1024), (4096, 4096), (512, 576)):
         for name, (p, plain) in _weights(n, k).items():
             op = (p.qweight, p.scales, p.mins, MMA_LAYOUT_IDS[p.layout], p.group)
             exact, as_read = dequantize(plain), _gemm_weight(plain)
@@ -190,12 +192,16 @@ def test_native_packed_gemm_matches_float64_for_many_rows_and_is_deterministic()
                 err = float((out.double() - ref).abs().max())
                 err_eager = float((F.linear(x, exact.to(torch.bfloat16)).double() - ref).abs().max())
                 assert err <= 6 * err_eager, (name, n, k, m, err, err_eager)
-                if n == 17408 and m <= 64:  # the GEMM's own arithmetic
+                unpacked = F.linear(x, native.unpack(*op, torch.bfloat16))
+                if n in served and m <= 64:  # the GEMM's own arithmetic, not cuBLAS's
                     ref_read = x.double() @ as_read.double().t()
                     err_read = float((out.double() - ref_read).abs().max())
                     assert err_read <= 8e-3 * float(ref_read.abs().max()), (name, n, k, m, err_read)
+                    assert not torch.equal(out, unpacked), (name, n, k, m)
+                else:
+                    assert torch.equal(out, unpacked), (name, n, k, m)
                 assert torch.equal(native.packed_gemm(x, *op), out), (name, n, k, m)
-                if n == 17408 and 8 < m <= native.KERNEL_MAX_ROWS:
+                if n in served and 8 < m <= native.KERNEL_MAX_ROWS:
                     y, ss = native.packed_linear(x, *op)
                     assert torch.equal(y, out), (name, m)
                     torch.testing.assert_close(ss, y.float().reshape(m, n // 16, 16).pow(2).sum(-1), rtol=1e-5,
@@ -203,10 +209,11 @@ def test_native_packed_gemm_matches_float64_for_many_rows_and_is_deterministic()
 
 
 def test_native_packed_linear_takes_the_gemm_with_its_folds_past_8_rows():
-    """9 to 64 rows of a weight the packed GEMM serves (enough output blocks): the decode op runs the GEMM with its
-    folds (the RMSNorm before as one kernel, the eager x * rstd then the weight; SwiGLU or the residual add after;
-    the rows' sums of squares), against float64 no looser than the eager bf16 model on the weight as the GEMM
-    dequantizes it; a row's bits do not depend on the rows beside it from 9 to 64 rows (blocks of 16, 32 and 64)."""
+    """9 to 64 rows of a weight the packed GEMM serves (enough output blocks; the SwiGLU one's last block holds one
+    gate tile of 8): the decode op runs the GEMM with its folds (the RMSNorm before as one kernel, the eager
+    x * rstd then the weight; SwiGLU or the residual add after; the rows' sums of squares), against float64 no
+    looser than the eager bf16 model on the weight as the GEMM dequantizes it; a row's bits do not depend on the
+    rows beside it from 9 to 64 rows (blocks of 16, 32 and 64)."""
     from onecopy.kernels import native
     from onecopy.layouts import MMA_LAYOUT_IDS
     from onecopy.models.packed import dequantize, tile_ordered
@@ -214,7 +221,7 @@ def test_native_packed_linear_takes_the_gemm_with_its_folds_past_8_rows():
     from onecopy.models.quantize import quantize_weight
 
     torch.manual_seed(3)
-    for mode, group, n, k, glu, res, norm in [("int4", 128, 2 * 9216, 1024, True, False, True),
+    for mode, group, n, k, glu, res, norm in [("int4", 128, 2 * 9232, 1024, True, False, True),  # 577 tiles: 73 blocks
                                                ("int8", 128, 17408, 1024, False, True, True),
                                                ("int4", 32, 17408, 1024, False, True, False)]:
         plain = quantize_weight(torch.randn(n, k) / k ** 0.5, mode, group)

@@ -75,8 +75,10 @@ def packed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     layouts.MMA_LAYOUT_IDS), with the folds of `kernels.small_linear` (``norm`` = (weight, partial sums of
     squares of x's rows [M, P], eps) before, SwiGLU of a gate/up weight or a residual add after). Returns
     the output [M, N'] and its rows' sums of squares per 16 outputs [M, N' / 16] (for the next norm).
-    Up to `KERNEL_MAX_ROWS` rows (any number with ``invariant``: a row's bits then never depend on the batch)
-    the kernel; more, the weight unpacked for cuBLAS's GEMM and the folds as ATen ops."""
+    With ``invariant`` the GEMV kernel at any number of rows (a row's bits then never depend on the batch);
+    otherwise past 8 rows the packed GEMM with the same folds where it serves the weight (up to 64 rows, weights
+    of many output blocks: `packed_gemm`), else the GEMV up to `KERNEL_MAX_ROWS` rows and past that the weight
+    unpacked for cuBLAS's GEMM with the folds as ATen ops."""
     load()
     nw, ss, eps = norm if norm is not None else (None, None, 0.0)
     return torch.ops.onecopy_native.packed_linear(x, qweight, scales, mins, residual, nw, ss, eps, glu, layout, group,
@@ -86,7 +88,8 @@ def packed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 def packed_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, layout: int,
                 group: int) -> torch.Tensor:
     """x [M, K] (bfloat16) times a tile-ordered packed weight [N, K], any M: the packed GEMM (each weight fragment
-    dequantized in bf16 once per 64 rows) up to 256 rows, the weight unpacked for cuBLAS past that."""
+    dequantized in bf16 once per 64 rows) up to 64 rows for weights of at least half as many 256-output blocks as
+    the GPU has SMs, else the weight unpacked for cuBLAS."""
     load()
     return torch.ops.onecopy_native.packed_gemm(x, qweight, scales, mins, layout, group)
 

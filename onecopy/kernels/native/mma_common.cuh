@@ -1,5 +1,5 @@
 // Device and launch helpers the packed-weight kernels share (packed_linear.cu: up to 32 rows, one weight tile a
-// CTA; packed_gemm.cu: 16 rows and more, many tiles a CTA): tensor-core MMA, cp.async copies, programmatic dependent
+// CTA; packed_gemm.cu: 9 to 64 rows, many tiles a CTA): tensor-core MMA, cp.async copies, programmatic dependent
 // launch, bf16 pair arithmetic, and the tile order's int4 / int8 unpacking (packed_linear.cu's header draws it).
 #pragma once
 

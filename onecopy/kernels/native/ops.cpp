@@ -119,6 +119,7 @@ at::Tensor unpack_weight(const at::Tensor& qweight_in, const at::Tensor& scales_
   const std::optional<at::Tensor> mins = mins_in.has_value() ? std::optional<at::Tensor>(mins_in->contiguous()) : std::nullopt;
   const int64_t n = qweight.size(0), k = qweight.size(1) * per_byte;
   TORCH_CHECK(qweight.is_cuda() && qweight.dim() == 2, "unpack_weight: qweight must be a CUDA [N, K / values per byte] tensor");
+  TORCH_CHECK(group > 0, "unpack_weight: group must be positive, got ", group);
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == n * (k / group),
               "unpack_weight: scales must be float32 [N, K / group] (", n, " x ", k / group, "), got ", scales.sizes());
   TORCH_CHECK((layout == onecopy_native::kQ4aMma) == mins.has_value(), "unpack_weight: mins go with q4a_mma alone");
@@ -155,9 +156,28 @@ onecopy_native::PackedGemmPlan gemm_plan_for(int64_t m, int64_t n, int64_t k, in
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
-// x's rows as the kernels copy them, 16 bytes at a time: unit inner stride, rows 8 values apart, an aligned start.
+// x's rows as the kernels copy them, 16 bytes at a time: unit inner stride, rows 8 values apart, an aligned start
+// (a contiguous view that starts off 16 bytes is copied: .contiguous() would return it as it is).
 at::Tensor copyable_rows(const at::Tensor& x) {
-  return x.stride(1) == 1 && x.stride(0) % 8 == 0 && aligned16(x) ? x : x.contiguous();
+  if (x.stride(1) == 1 && x.stride(0) % 8 == 0 && aligned16(x)) return x;
+  return x.is_contiguous() ? x.clone() : x.contiguous();
+}
+
+// A packed weight's float32 scales (and mins) for [N, K] in groups of `group`: the checks every packed op makes.
+void check_scales(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                  const std::optional<at::Tensor>& mins, int64_t layout, int64_t group) {
+  TORCH_CHECK(group > 0 && (group & (group - 1)) == 0, "group must be a positive power of two, got ", group);
+  const int64_t per_byte = layout == onecopy_native::kQ8sMma ? 1 : 2;
+  const int64_t n = qweight.size(0), k = x.size(1);
+  TORCH_CHECK(qweight.dim() == 2 && qweight.size(1) * per_byte == k && scales.scalar_type() == at::kFloat &&
+                  scales.numel() == n * (k / group),
+              "qweight [N, K / values per byte] and float32 scales [N, K / group] must match x's K");
+  TORCH_CHECK((layout == onecopy_native::kQ4aMma) == mins.has_value(), "mins go with the q4a layout alone");
+  TORCH_CHECK(!mins.has_value() || (mins->scalar_type() == at::kFloat && mins->numel() == scales.numel()),
+              "mins must be float32, shaped as the scales");
+  TORCH_CHECK(qweight.device() == x.device() && scales.device() == x.device() &&
+                  (!mins.has_value() || mins->device() == x.device()),
+              "x, qweight, scales and mins must be on one CUDA device");
 }
 
 // The packed GEMM with its folds (packed_gemm.h): out [M, N'] and, with `want_ss`, each row's sums of squares per
@@ -207,17 +227,13 @@ std::tuple<at::Tensor, at::Tensor> run_gemm(const onecopy_native::PackedGemmPlan
   return {out, ss_out};
 }
 
-// x [M, K] (bfloat16) @ W^T for a tile-ordered packed weight, any M: the packed GEMM where it serves
-// (gemm_plan_for), else the weight unpacked to bf16 (one kernel) and cuBLAS.
+// x [M, K] (bfloat16) @ W^T for a tile-ordered packed weight, any M: the packed GEMM where it serves (gemm_plan_for:
+// up to 64 rows, weights of many output blocks), else the weight unpacked to bf16 (one kernel) and cuBLAS.
 at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& mins, int64_t layout, int64_t group) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bfloat16 [M, K]");
-  const int64_t per_byte = layout == onecopy_native::kQ8sMma ? 1 : 2;
+  check_scales(x, qweight, scales, mins, layout, group);
   const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0);
-  TORCH_CHECK(qweight.dim() == 2 && qweight.size(1) * per_byte == k && scales.scalar_type() == at::kFloat &&
-                  scales.numel() == n * (k / group),
-              "qweight [N, K / values per byte] and float32 scales [N, K / group] must match x's K");
-  TORCH_CHECK((layout == onecopy_native::kQ4aMma) == mins.has_value(), "mins go with the q4a layout alone");
   c10::cuda::CUDAGuard guard(x.device());
   const auto plan = gemm_plan_for(m, n, k, layout, group, false);
   if (plan.rows == 0 || !qweight.is_contiguous() || !scales.is_contiguous() || !aligned16(qweight) ||
@@ -266,7 +282,8 @@ std::tuple<at::Tensor, at::Tensor> packed_linear(const at::Tensor& x_in, const a
                                                  const std::optional<at::Tensor>& ss, double eps, bool glu,
                                                  int64_t layout, int64_t group, bool invariant) {
   TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x must be bfloat16 [M, K]");
-  const auto x = x_in.stride(1) == 1 && x_in.stride(0) % 8 == 0 ? x_in : x_in.contiguous();  // 8-byte row loads
+  TORCH_CHECK(group > 0 && (group & (group - 1)) == 0, "group must be a positive power of two, got ", group);
+  const auto x = copyable_rows(x_in);  // 8- and 16-byte row loads
   const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0);
   const int64_t per_byte = layout == onecopy_native::kQ8sMma ? 1 : 2;
   TORCH_CHECK(qweight.is_contiguous() && qweight.size(1) * per_byte == k && scales.is_contiguous() &&
@@ -313,8 +330,10 @@ std::tuple<at::Tensor, at::Tensor> packed_linear(const at::Tensor& x_in, const a
   p.w = qweight.data_ptr();
   p.s = scales.data_ptr<float>();
   p.mn = mins.has_value() ? mins->data_ptr<float>() : nullptr;
+  at::Tensor nw;
   if (norm_weight.has_value()) {
-    p.nw = norm_weight->data_ptr();
+    nw = aligned16(*norm_weight) ? *norm_weight : norm_weight->clone();  // read 16 bytes at a time
+    p.nw = nw.data_ptr();
     p.ss = ss->data_ptr<float>();
     p.stride_ss = ss->stride(0);
     p.p_in = static_cast<int>(ss->size(1));

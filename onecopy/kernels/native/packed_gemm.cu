@@ -1,4 +1,4 @@
-// Packed int4 / int8 weights times many rows (a wide decode step: 17 to 64 rows), in the structure of Marlin
+// Packed int4 / int8 weights times many rows (a wide decode step: 9 to 64 rows), in the structure of Marlin
 // (vLLM's GPTQ GEMM): x's rows and the weight tiles both stream through a multi-stage cp.async pipeline in shared
 // memory, each warp dequantizes its weight fragments once a stage and multiplies each against every row block's
 // fragments, so a weight byte is read from HBM once per 64 rows and x once per 256 output features.
@@ -9,7 +9,7 @@
 // (benchmarks/packed_gemm_cuda.py): the fused gate/up weight at 64 rows 155 -> 79 us (bf16 cuBLAS 64), at 32 rows
 // 106 (GEMV) -> 61; the LM head at 64 rows 676 -> 317 (bf16 283).
 //
-// Where it does not serve (ops.cpp's gemm_serves): weights of few 256-feature blocks (4096 or 6144 outputs: 16-24
+// Where it does not serve (ops.cpp's gemm_plan_for): weights of few 256-feature blocks (4096 or 6144 outputs: 16-24
 // CTAs for 132 SMs). Splitting K over CTAs with a last-CTA reduction of fp32 partials was built and measured slower
 // than unpacking for cuBLAS there (o at 64 rows 53 vs 23.5 us: the 16 reducing CTAs read 512 KB each after the
 // others are done). And at 128 rows and more cuBLAS on the unpacked weight is as fast or faster: with one CTA an SM
@@ -88,8 +88,9 @@ __device__ __forceinline__ void dequant_scaled(const uint4& w, int j, const uint
   }
 }
 
-// The eager RMSNorm of x's rows before a folded projection: xn = bf16(bf16(x * rstd) * w), rstd = 1 / sqrt(sum of the
-// row's partial sums of squares / K + eps) (the op's ATen fold, in one kernel). One CTA a row.
+// The RMSNorm of x's rows before a folded projection, with the eager model's roundings: xn = bf16(bf16(x * rstd) * w),
+// rstd = rsqrtf(sum of the row's partial sums of squares / K + eps) (the ATen fold's ops in one kernel; its rstd may
+// differ from ATen's in the last bit: sum order, rsqrtf). One CTA a row.
 __global__ void __launch_bounds__(256) norm_rows_kernel(PackedGemmParams p) {
   __shared__ float total;
   const int row = blockIdx.x;
