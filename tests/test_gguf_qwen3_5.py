@@ -16,12 +16,24 @@ from .gguf_writer import write_qwen35_gguf
 PROMPT = [3, 17, 250, 9, 41, 77, 5, 300, 128]
 
 
+def _source(preset: str, **changes):
+    """A tiny preset with 2 key and 6 value heads (llama.cpp's tiling of 3 value heads a key head is not its own
+    inverse, as 2 a head of 2 would be), other config ``changes``, and seeded weights for that shape."""
+    from dataclasses import replace
+
+    from onecopy.models.presets import random_hf_state_dict
+
+    base = preset_source(preset)
+    cfg = replace(base.config, linear_n_v_heads=6, **changes)
+    return replace(base, config=cfg, hf_state_dict=random_hf_state_dict(cfg, 1))
+
+
 @pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-qwen3.5-moe"])
 def test_a_float_gguf_reads_back_the_checkpoint_and_the_model(preset, tmp_path):
     """F32 tensors: every transformers tensor back under its name (1 + w norms, -exp(A_log), the value heads tiled
-    by llama.cpp for 2 key / 4 value heads, the conv squeezed, the expert stacks joined as gate_up_proj), the same
+    by llama.cpp for 2 key / 6 value heads, the conv squeezed, the expert stacks joined as gate_up_proj), the same
     config (its layer pattern from ``attention.recurrent_layers``), and the eager model's logits."""
-    src = preset_source(preset)
+    src = _source(preset)
     loaded = resolve_source(write_qwen35_gguf(tmp_path / "m.gguf", src))
     assert loaded.family == src.family
     assert {**loaded.config.to_dict(), "linear_chunk_size": 0} == {**src.config.to_dict(), "linear_chunk_size": 0}
@@ -38,7 +50,7 @@ def test_a_quantized_gguf_dequantizes_and_skips_the_mtp_block(tmp_path):
     """Q8_0 matrices (the norms, conv, routers and 1-D tensors stay F32, as the converter keeps them) come back
     within Q8_0's rounding of the checkpoint, the F32 ones exactly; the multi-token-prediction block that newer
     converters write after the layers (``nextn_predict_layers``) is left out."""
-    src = preset_source("tiny-qwen3.5-moe")
+    src = _source("tiny-qwen3.5-moe")
     loaded = resolve_source(write_qwen35_gguf(tmp_path / "m.gguf", src, qtype=Q.Q8_0, mtp=True))
     assert loaded.config.n_layers == src.config.n_layers and loaded.hf_state_dict.keys() == src.hf_state_dict.keys()
     for name, want in src.hf_state_dict.items():
@@ -70,7 +82,7 @@ def test_quantized_matrices_stay_packed_and_compute_as_their_floats(tmp_path):
     from onecopy.models.packed import PackedExperts
     from onecopy.models.quantize import pack_gguf, packed_layers
 
-    src = resolve_source(write_qwen35_gguf(tmp_path / "m.gguf", preset_source("tiny-qwen3.5-moe"), qtype=Q.Q4_1))
+    src = resolve_source(write_qwen35_gguf(tmp_path / "m.gguf", _source("tiny-qwen3.5-moe"), qtype=Q.Q4_1))
     float_model = src.build(64, torch.float32)
     model = copy.deepcopy(float_model)
     sources, kept_float = pack_gguf(model, src.packed)
@@ -95,15 +107,11 @@ def test_deltanet_output_projection_stays_packed_with_its_value_heads_put_back(t
     """Value heads of 32 (whole Q8_0 groups): ``ssm_out``'s tiled column blocks are put back in the packed values
     and scales themselves, and the packed model computes as the float one."""
     import copy
-    from dataclasses import replace
 
     from onecopy.models.linear import PackedLinear
-    from onecopy.models.presets import random_hf_state_dict
     from onecopy.models.quantize import pack_gguf
 
-    base = preset_source("tiny-qwen3.5")
-    cfg = replace(base.config, linear_k_head_dim=32, linear_v_head_dim=32)
-    base = replace(base, config=cfg, hf_state_dict=random_hf_state_dict(cfg, 1))
+    base = _source("tiny-qwen3.5", linear_k_head_dim=32, linear_v_head_dim=32)
     src = resolve_source(write_qwen35_gguf(tmp_path / "m.gguf", base, qtype=Q.Q8_0))
     float_model = src.build(64, torch.float32)
     model = copy.deepcopy(float_model)
@@ -113,3 +121,21 @@ def test_deltanet_output_projection_stays_packed_with_its_value_heads_put_back(t
         want = float_model(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))
         got = model(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_a_file_without_the_architecture_metadata_is_refused_naming_the_keys(tmp_path):
+    import gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "bare.gguf"), "qwen35moe")
+    w.add_block_count(4)
+    w.add_embedding_length(64)
+    w.add_token_list(["a", "b"])
+    w.add_eos_token_id(1)
+    w.add_tensor("token_embd.weight", np.zeros((2, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelSourceError, match=r"the qwen35moe GGUF lacks qwen35moe\.attention\.head_count, .*"
+                                               r"qwen35moe\.expert_count, .*reconvert it"):
+        resolve_source(tmp_path / "bare.gguf")

@@ -61,7 +61,15 @@ def _decimal(v: float) -> float:
 
 def hf_config(arch: str, field: Callable[[str, Any], Any], tensor_names: set[str], vocab: int) -> dict[str, Any]:
     """The transformers text config (``qwen3_5_text`` / ``qwen3_5_moe_text``) of a GGUF's metadata; ``field(key,
-    default)`` reads ``{arch}.key``."""
+    default)`` reads ``{arch}.key``. ModelSourceError naming the keys a file lacks."""
+    needed = ["block_count", "embedding_length", "attention.head_count", "attention.head_count_kv", "ssm.state_size",
+              "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size"]
+    needed += (["expert_count", "expert_used_count", "expert_feed_forward_length", "expert_shared_feed_forward_length"]
+               if arch == "qwen35moe" else ["feed_forward_length"])
+    missing = [f"{arch}.{k}" for k in needed if field(k, None) is None]
+    if missing:
+        raise ModelSourceError(f"the {arch} GGUF lacks {', '.join(missing)}; it was not written by llama.cpp's "
+                               "converter (or by an older one): reconvert it")
     n_layers = field("block_count", None) - (field("nextn_predict_layers", 0) or 0)
     nv = field("ssm.time_step_rank", None)
     head_dim = field("attention.key_length", None) or field("embedding_length", None) // field("attention.head_count", None)
@@ -92,10 +100,6 @@ def hf_config(arch: str, field: Callable[[str, Any], Any], tensor_names: set[str
                  shared_expert_intermediate_size=field("expert_shared_feed_forward_length", None))
     else:
         c["intermediate_size"] = field("feed_forward_length", None)
-    missing = [k for k, v in c.items() if v is None]
-    if missing:
-        raise ModelSourceError(f"the {arch} GGUF lacks the metadata for {missing}; it was not written by llama.cpp's "
-                               "converter (or an older one): reconvert it")
     return c
 
 
