@@ -316,7 +316,8 @@ def _pack(model: torch.nn.Module, src: ModelSource, dequantize: bool, quantize: 
         return {}
     sources, kept_float = pack_gguf(model, src.packed)
     if kept_float:
-        progress_note(f"kept float (their GGUF parts differ in type): {', '.join(kept_float[:4])}"
+        progress_note(f"kept float (GGUF parts of different types, or values the packing cannot rearrange): "
+                      f"{', '.join(kept_float[:4])}"
                       f"{' ...' if len(kept_float) > 4 else ''}", progress)
     return sources
 

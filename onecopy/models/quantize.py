@@ -153,8 +153,10 @@ _GGUF_PARTS_QWEN3_5 = {
 def pack_gguf(model: nn.Module, packed: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
     """Replace the layers of a Llama- or Qwen3.5-family ``model`` whose GGUF tensors (``packed``: HF name ->
     `gguf_repack.PackedWeight`) stayed quantized (Qwen3.5: its routed-expert stacks too). Returns (layer -> its
-    GGUF type(s), the fused layers kept float): a fused layer whose parts differ in layout or group (a Q4_K_M
-    file's Q6_K v next to Q4_K q and k) keeps the float weight it was built with (the export says so)."""
+    GGUF type(s), the layers kept float): a fused layer whose parts differ in layout or group (a Q4_K_M
+    file's Q6_K v next to Q4_K q and k) keeps the float weight it was built with (the export says so); so do, in
+    a Qwen3.5 model, expert stacks and DeltaNet output projections the file did not give packed (gate and up of
+    different types; value-head blocks that are not whole scale groups: `gguf_qwen3_5`)."""
     from .qwen3_5 import Qwen35
 
     _check_family(model, "packed GGUF weights", (Qwen35,))
@@ -183,6 +185,11 @@ def pack_gguf(model: nn.Module, packed: dict[str, Any]) -> tuple[dict[str, str],
                for part in ("qweight", "scales", "mins")]
         _replace(model, name, Packed(ws[0].layout, ws[0].group, *cat))
         sources[name] = "+".join(dict.fromkeys(w.qtype for w in ws))
+    if isinstance(model, Qwen35):
+        kept_float += [n for n, m in model.named_modules() if n.endswith("linear_attn.out_proj")
+                       and not isinstance(m, PackedLinear)]
+        kept_float += [f"{n}.{a}" for n, m in model.named_modules() if n.endswith("mlp.experts")
+                       for a in ("gate_up_proj", "down_proj") if not isinstance(getattr(m, a), PackedExperts)]
     return sources, kept_float
 
 
