@@ -154,13 +154,44 @@ def read_safetensors(path: Path, skip: tuple[str, ...] = ()) -> dict[str, torch.
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
         raise ModelSourceError(f"{path} has no *.safetensors weights; convert .bin checkpoints to safetensors first")
+    cfg_file = path / "config.json"
+    quant = (json.loads(cfg_file.read_text()).get("quantization_config") or {}) if cfg_file.is_file() else {}
+    block = tuple(quant.get("weight_block_size") or (128, 128))
     sd: dict[str, torch.Tensor] = {}
     for f in files:
         if not (path / f).is_file():
             raise ModelSourceError(f"shard {f} named in the index is missing from {path}")
         with safe_open(str(path / f), framework="pt") as st:
-            sd.update({k: st.get_tensor(k) for k in st.keys() if not (skip and k.startswith(skip))})
+            for k in st.keys():
+                if not (skip and k.startswith(skip)):
+                    sd[k] = st.get_tensor(k)
+                    if k.endswith("_scale_inv"):  # an FP8 block-scaled pair is complete: dequantize it at once
+                        _fp8_blocks(sd, k, block)
+    for k in [k for k, v in sd.items() if v.dtype == torch.float8_e4m3fn]:
+        _fp8_blocks(sd, k + "_scale_inv", block)
     return sd
+
+
+def _fp8_blocks(sd: dict[str, torch.Tensor], scale_name: str, block: tuple[int, ...]) -> None:
+    """An FP8 checkpoint's weight (the format of Qwen's and DeepSeek's FP8 releases: ``quantization_config``
+    ``quant_method: fp8``, float8 e4m3 ``X.weight`` with a float32 ``X.weight_scale_inv`` per block of
+    ``weight_block_size`` rows x columns, w = q * s) dequantized to bfloat16 in place, once both are read (shards
+    may hold them apart). A weight without its scales is refused: its values alone are not the weights."""
+    name = scale_name[:-len("_scale_inv")]
+    q, s = sd.get(name), sd.get(scale_name)
+    if q is None or s is None:
+        if q is not None:
+            raise ModelSourceError(f"{name} is float8 without its {scale_name}; onecopy reads FP8 checkpoints with "
+                                   "block scales (quant_method fp8, weight_block_size)")
+        return
+    n, k = q.shape[-2:]
+    bn, bk = block
+    if s.shape[-2:] != (-(-n // bn), -(-k // bk)):
+        raise ModelSourceError(f"{scale_name} is {list(s.shape)}, not one scale per {bn} x {bk} block of {name} "
+                               f"{list(q.shape)}; check quantization_config.weight_block_size")
+    scale = s.float().repeat_interleave(bn, -2)[..., :n, :].repeat_interleave(bk, -1)[..., :k]
+    sd[name] = (q.float() * scale).to(torch.bfloat16)
+    del sd[scale_name]
 
 
 def read_text_dir(path: Path, read_checkpoint: Callable[[Path], tuple[dict[str, Any], dict[str, torch.Tensor]]],
