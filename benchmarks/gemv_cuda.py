@@ -70,6 +70,15 @@ def graph_ms(calls, reps: int = 10) -> float:
     return statistics.median(times) / len(calls)
 
 
+def cold_copies(t, nbytes: int) -> list:
+    """Copies of a weight (a tensor, or a packed weight: its ``tensors()`` cloned into ``rebuild``) enough for
+    512 MB, at least two: replayed in turn, each call reads its weight from HBM, not from L2."""
+    count = max(2, math.ceil(512e6 / nbytes))
+    if isinstance(t, torch.Tensor):
+        return [t.clone() for _ in range(count)]
+    return [t.rebuild(tuple(x_.clone() for x_ in t.tensors())) for _ in range(count)]
+
+
 def torch_chain(x, w, res, glu: bool):
     """cuBLAS and the elementwise work as torch ops."""
     y = F.linear(x, w)

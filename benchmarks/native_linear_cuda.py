@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -32,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gemv_cuda import SHAPES, graph_ms  # noqa: E402
+from gemv_cuda import SHAPES, cold_copies as copies, graph_ms  # noqa: E402
 
 from onecopy import kernels  # noqa: E402
 from onecopy.bench.decode import copy_bandwidth  # noqa: E402
@@ -58,12 +57,6 @@ def main() -> None:
            "command": "python " + " ".join(sys.argv), "rows": []}
     torch.manual_seed(0)
     fp8 = torch.cuda.get_device_capability() >= (8, 9)
-
-    def copies(t: Packed | torch.Tensor, nbytes: int) -> list:  # cold weights: 512 MB of copies
-        count = max(2, math.ceil(512e6 / nbytes))
-        if isinstance(t, torch.Tensor):
-            return [t.clone() for _ in range(count)]
-        return [t.rebuild(tuple(x_.clone() for x_ in t.tensors())) for _ in range(count)]
 
     for shape in a.shapes.split(","):
         n, k, glu, has_res = SHAPES[shape]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -26,22 +25,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gemv_cuda import SHAPES, graph_ms  # noqa: E402
+from gemv_cuda import SHAPES, cold_copies as copies, graph_ms  # noqa: E402
 
 from onecopy.bench.peers import int4_operands  # noqa: E402
 from onecopy.kernels import native  # noqa: E402
 from onecopy.layouts import MMA_LAYOUT_IDS  # noqa: E402
-from onecopy.models.packed import Packed, tile_ordered  # noqa: E402
+from onecopy.models.packed import tile_ordered  # noqa: E402
 from onecopy.models.quantize import quantize_weight  # noqa: E402
 
 PACKED = {"int4 g128": ("int4", 128), "int8 g128": ("int8", 128)}
-
-
-def copies(t: Packed | torch.Tensor, nbytes: int) -> list:
-    count = max(2, math.ceil(512e6 / nbytes))
-    if isinstance(t, torch.Tensor):
-        return [t.clone() for _ in range(count)]
-    return [t.rebuild(tuple(x_.clone() for x_ in t.tensors())) for _ in range(count)]
 
 
 def main() -> None:
