@@ -93,9 +93,10 @@ __device__ __forceinline__ void dequant_step(const uint4& w, int j, uint32_t (&a
   }
 }
 
-// Launch with programmatic stream serialization allowed (sm_90+: see allow_dependents), else plainly.
-template <typename Kernel, typename Params>
-void launch_overlapped(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t stream, const Params& p) {
+// Launch with programmatic stream serialization allowed (sm_90+: see allow_dependents), else plainly; `args` as
+// cudaLaunchKernel takes them (the address of each parameter).
+inline cudaError_t launch_overlapped(const void* kernel, dim3 grid, int threads, size_t smem, cudaStream_t stream,
+                                     void** args) {
   int device = 0, major = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
@@ -109,7 +110,15 @@ void launch_overlapped(Kernel kernel, dim3 grid, int threads, size_t smem, cudaS
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = major >= 9 ? 1 : 0;
-  cudaLaunchKernelEx(&cfg, kernel, p);
+  return cudaLaunchKernelExC(&cfg, kernel, args);
+}
+
+// The same for a kernel taking one parameter block.
+template <typename Params>
+cudaError_t launch_overlapped(void (*kernel)(Params), dim3 grid, int threads, size_t smem, cudaStream_t stream,
+                              const Params& p) {
+  void* args[] = {const_cast<Params*>(&p)};
+  return launch_overlapped(reinterpret_cast<const void*>(kernel), grid, threads, smem, stream, args);
 }
 
 // Whether a kernel with this much dynamic shared memory fits a block on this device (the opt-in limit: 227 KB on

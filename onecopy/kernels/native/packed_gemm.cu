@@ -357,29 +357,13 @@ int packed_gemm_launch(const PackedGemmParams& p, const PackedGemmPlan& plan, cu
   size_t smem = 0;
   const void* kernel = kernel_for(p.layout, p.group, plan.rows, smem);
   allow_smem(kernel, smem);
-  int device = 0, major = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(plan.row_blocks, plan.col_blocks);
-  cfg.blockDim = dim3(kGemmThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = major >= 9 ? 1 : 0;
-  void* args[] = {const_cast<PackedGemmParams*>(&p)};
   if (p.nw != nullptr) {  // the norm's rows first, into xn
-    cudaLaunchConfig_t ncfg = cfg;
-    ncfg.gridDim = dim3(p.m);
-    ncfg.blockDim = dim3(256);
-    ncfg.dynamicSmemBytes = 0;
-    const cudaError_t e = cudaLaunchKernelExC(&ncfg, reinterpret_cast<const void*>(norm_rows_kernel), args);
+    const cudaError_t e = launch_overlapped(norm_rows_kernel, dim3(p.m), 256, 0, stream, p);
     if (e != cudaSuccess) return static_cast<int>(e);
   }
-  return static_cast<int>(cudaLaunchKernelExC(&cfg, kernel, args));
+  void* args[] = {const_cast<PackedGemmParams*>(&p)};
+  return static_cast<int>(launch_overlapped(kernel, dim3(plan.row_blocks, plan.col_blocks), kGemmThreads, smem,
+                                            stream, args));
 }
 
 }  // namespace onecopy_native
