@@ -8,28 +8,19 @@
 //     benchmarks/packed_gemm_harness.cu onecopy/kernels/native/packed_gemm.cu onecopy/kernels/native/packed_linear.cu
 #include <cuda_runtime.h>
 #include <cstdio>
-#include <cstdlib>
-#include <string>
 #include <vector>
+#include "harness.h"
 #include "packed_gemm.h"
 #include "packed_linear.h"
 using namespace onecopy_native;
+using harness::listed;
 
 int main(int argc, char** argv) {
   // gate_up with its folds (the norm before, SwiGLU after, the rows' sums of squares), as the decode step runs it
   struct Shape { const char* name; int n, k; bool folds; } shapes[] = {
       {"o", 4096, 4096, false}, {"qkv", 6144, 4096, false}, {"down", 4096, 14336, false},
       {"gate_up", 28672, 4096, true}, {"lm", 128256, 4096, false}};
-  auto listed = [](const char* list, const std::string& item) {
-    const std::string l = std::string(",") + list + ",";
-    return l.find("," + item + ",") != std::string::npos;
-  };
-  std::vector<int> rows;
-  for (const char* r = argc > 1 ? argv[1] : "16,64"; *r;) {
-    rows.push_back(std::atoi(r));
-    while (*r && *r != ',') ++r;
-    if (*r) ++r;
-  }
+  const std::vector<int> rows = harness::ints(argc > 1 ? argv[1] : "16,64");
   const char* layout_list = argc > 2 ? argv[2] : "q4a,q8s";
   const char* shape_list = argc > 3 ? argv[3] : "o,qkv,down,gate_up,lm";
   for (int layout : {kQ4aMma, kQ8sMma}) for (auto& sh : shapes) for (int m : rows) {
@@ -37,13 +28,7 @@ int main(int argc, char** argv) {
     const int n = sh.n, k = sh.k, group = 128;
     const size_t wbytes = layout == kQ8sMma ? (size_t)n * k : (size_t)n * k / 2;
     const size_t sbytes = (size_t)n * (k / group) * 4;
-    const int copies = (int)((600e6 / (wbytes + 2 * sbytes)) + 2);
-    std::vector<void*> w(copies), s(copies), mn(copies);
-    for (int i = 0; i < copies; ++i) {
-      cudaMalloc(&w[i], wbytes); cudaMemset(w[i], 0x37, wbytes);
-      cudaMalloc(&s[i], sbytes); cudaMemset(s[i], 0, sbytes);
-      cudaMalloc(&mn[i], sbytes); cudaMemset(mn[i], 0, sbytes);
-    }
+    const harness::WeightCopies c(wbytes, sbytes);
     const PackedGemmPlan plan = packed_gemm_plan(m, n, k, layout, group, sh.folds);
     void *x, *out, *nw, *ss, *xn, *ss_out;
     cudaMalloc(&x, (size_t)m * k * 2); cudaMemset(x, 0, (size_t)m * k * 2);
@@ -53,37 +38,20 @@ int main(int argc, char** argv) {
     cudaMalloc(&xn, (size_t)m * k * 2);
     cudaMalloc(&ss_out, (size_t)m * (n / 16) * 4);
     cudaStream_t st; cudaStreamCreate(&st);
-    auto params = [&](int i) {
+    const double us = harness::graph_us(st, c.count(), [&](int i, cudaStream_t stream) {
       PackedGemmParams p = {};
-      p.x = x; p.stride_x = k; p.w = w[i]; p.s = (const float*)s[i]; p.mn = (const float*)mn[i];
+      p.x = x; p.stride_x = k; p.w = c.w[i]; p.s = (const float*)c.s[i]; p.mn = (const float*)c.mn[i];
       p.out = out; p.stride_o = sh.folds ? n / 2 : n;
       if (sh.folds) {
         p.glu = true; p.nw = nw; p.ss = (const float*)ss; p.stride_ss = 1; p.p_in = 1; p.eps = 1e-5f; p.xn = xn;
         p.ss_out = (float*)ss_out;
       }
       p.m = m; p.n = n; p.k = k; p.group = group; p.layout = layout;
-      return p;
-    };
-    for (int i = 0; i < copies; ++i) packed_gemm_launch(params(i), plan, st);
-    cudaStreamSynchronize(st);
-    cudaGraph_t graph; cudaGraphExec_t exec;
-    cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal);
-    for (int i = 0; i < copies; ++i) packed_gemm_launch(params(i), plan, st);
-    cudaStreamEndCapture(st, &graph);
-    cudaGraphInstantiate(&exec, graph, 0);
-    cudaGraphLaunch(exec, st); cudaStreamSynchronize(st);
-    cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
-    const int reps = 20;
-    cudaEventRecord(a, st);
-    for (int r = 0; r < reps; ++r) cudaGraphLaunch(exec, st);
-    cudaEventRecord(b, st); cudaEventSynchronize(b);
-    float ms = 0; cudaEventElapsedTime(&ms, a, b);
-    const double us = 1000.0 * ms / reps / copies;
+      packed_gemm_launch(p, plan, stream);
+    });
     printf("%s %s m=%d rows=%d blocks=%dx%d %.2f us %.0f GB/s err=%s\n", layout == kQ8sMma ? "q8s" : "q4a",
            sh.name, m, plan.rows, plan.row_blocks, plan.col_blocks, us,
            (wbytes + sbytes * (layout == kQ4aMma ? 2 : 1)) / us / 1e3, cudaGetErrorString(cudaGetLastError()));
-    cudaGraphExecDestroy(exec); cudaGraphDestroy(graph);
-    for (int i = 0; i < copies; ++i) { cudaFree(w[i]); cudaFree(s[i]); cudaFree(mn[i]); }
     cudaFree(x); cudaFree(out); cudaFree(nw); cudaFree(ss); cudaFree(xn); cudaFree(ss_out);
     cudaStreamDestroy(st);
   }

@@ -5,27 +5,17 @@
 // Build and run (CUDA machine, repository root): bash benchmarks/packed_linear_rings.sh
 #include <cuda_runtime.h>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <string>
 #include <vector>
+#include "harness.h"
 #include "packed_linear.h"
 using namespace onecopy_native;
+using harness::listed;
 
 int main(int argc, char** argv) {
   struct Shape { const char* name; int n, k; bool glu; } shapes[] = {
       {"o", 4096, 4096, false}, {"qkv", 6144, 4096, false}, {"down", 4096, 14336, false},
       {"gate_up", 28672, 4096, true}, {"lm", 128256, 4096, false}};
-  auto listed = [](const char* list, const std::string& item) {  // item in a comma-separated list
-    const std::string l = std::string(",") + list + ",";
-    return l.find("," + item + ",") != std::string::npos;
-  };
-  std::vector<int> rows;
-  for (const char* r = argc > 1 ? argv[1] : "1,16"; *r;) {
-    rows.push_back(std::atoi(r));
-    while (*r && *r != ',') ++r;
-    if (*r) ++r;
-  }
+  const std::vector<int> rows = harness::ints(argc > 1 ? argv[1] : "1,16");
   const char* layout_list = argc > 2 ? argv[2] : "q4a,q8s";
   const char* shape_list = argc > 3 ? argv[3] : "o,qkv,down,gate_up,lm";
   int layouts[] = {kQ4aMma, kQ8sMma};
@@ -34,46 +24,22 @@ int main(int argc, char** argv) {
     const int n = sh.n, k = sh.k, group = 128;
     const size_t wbytes = layout == kQ8sMma ? (size_t)n * k : (size_t)n * k / 2;
     const size_t sbytes = (size_t)n * (k / group) * 4;
-    const int copies = (int)((600e6 / (wbytes + 2 * sbytes)) + 2);
-    std::vector<void*> w(copies), s(copies), mn(copies);
-    for (int i = 0; i < copies; ++i) {
-      cudaMalloc(&w[i], wbytes); cudaMemset(w[i], 0x37, wbytes);
-      cudaMalloc(&s[i], sbytes); cudaMemset(s[i], 0, sbytes);
-      cudaMalloc(&mn[i], sbytes); cudaMemset(mn[i], 0, sbytes);
-    }
+    const harness::WeightCopies c(wbytes, sbytes);
     const int n_out = sh.glu ? n / 2 : n;
     void *x, *out, *ssout;
     cudaMalloc(&x, (size_t)m * k * 2); cudaMemset(x, 0, (size_t)m * k * 2);
     cudaMalloc(&out, (size_t)m * n_out * 2);
     cudaMalloc(&ssout, (size_t)m * (n_out / 16) * 4);
     cudaStream_t st; cudaStreamCreate(&st);
-    auto params = [&](int i) {
+    const double us = harness::graph_us(st, c.count(), [&](int i, cudaStream_t stream) {
       PackedLinearParams p = {};
-      p.x = x; p.stride_x = k; p.w = w[i]; p.s = (const float*)s[i]; p.mn = (const float*)mn[i];
+      p.x = x; p.stride_x = k; p.w = c.w[i]; p.s = (const float*)c.s[i]; p.mn = (const float*)c.mn[i];
       p.out = out; p.stride_o = n_out; p.ss_out = (float*)ssout; p.m = m; p.n_out = n_out; p.k = k;
       p.group = group; p.layout = layout; p.glu = sh.glu; p.eps = 1e-5f;
-      return p;
-    };
-    // a graph of `copies` calls (as the decode step's graph), replayed
-    cudaGraph_t graph; cudaGraphExec_t exec;
-    for (int i = 0; i < copies; ++i) packed_linear_launch(params(i), st);  // warm: attributes, occupancy
-    cudaStreamSynchronize(st);
-    cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal);
-    for (int i = 0; i < copies; ++i) packed_linear_launch(params(i), st);
-    cudaStreamEndCapture(st, &graph);
-    cudaGraphInstantiate(&exec, graph, 0);
-    cudaGraphLaunch(exec, st); cudaStreamSynchronize(st);
-    cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
-    const int reps = 20;
-    cudaEventRecord(a, st);
-    for (int r = 0; r < reps; ++r) cudaGraphLaunch(exec, st);
-    cudaEventRecord(b, st); cudaEventSynchronize(b);
-    float ms = 0; cudaEventElapsedTime(&ms, a, b);
-    const double us = 1000.0 * ms / reps / copies;
+      packed_linear_launch(p, stream);
+    });
     printf("%s %s m=%d %.2f us %.0f GB/s err=%s\n", layout == kQ8sMma ? "q8s" : "q4a", sh.name, m, us,
            (wbytes + sbytes * (layout == kQ4aMma ? 2 : 1)) / us / 1e3, cudaGetErrorString(cudaGetLastError()));
-    cudaGraphExecDestroy(exec); cudaGraphDestroy(graph);
-    for (int i = 0; i < copies; ++i) { cudaFree(w[i]); cudaFree(s[i]); cudaFree(mn[i]); }
     cudaFree(x); cudaFree(out); cudaFree(ssout); cudaStreamDestroy(st);
   }
   return 0;
