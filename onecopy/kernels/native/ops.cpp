@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <vector>
 
 #include "decode_q8.h"
 #include "packed_gemm.h"
@@ -180,6 +181,36 @@ void check_scales(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
               "x, qweight, scales and mins must be on one CUDA device");
 }
 
+// The operands the two packed kernels' parameter blocks (PackedLinearParams, PackedGemmParams) name alike: x, the
+// weight, the norm's weight and partial sums, the residual. The copies it has to make (a norm weight that starts
+// off 16 bytes: read 16 bytes at a time; a residual with a non-unit inner stride) go to `keep`, which the caller
+// holds until the launch.
+template <typename P>
+void set_operands(P& p, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                  const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& residual,
+                  const std::optional<at::Tensor>& norm_weight, const std::optional<at::Tensor>& ss, double eps,
+                  std::vector<at::Tensor>& keep) {
+  p.x = x.data_ptr();
+  p.stride_x = x.stride(0);
+  p.w = qweight.data_ptr();
+  p.s = scales.data_ptr<float>();
+  p.mn = mins.has_value() ? mins->data_ptr<float>() : nullptr;
+  if (norm_weight.has_value()) {
+    const auto nw = norm_weight->contiguous();
+    keep.push_back(aligned16(nw) ? nw : nw.clone());
+    p.nw = keep.back().data_ptr();
+    p.ss = ss->data_ptr<float>();
+    p.stride_ss = ss->stride(0);
+    p.p_in = static_cast<int>(ss->size(1));
+    p.eps = static_cast<float>(eps);
+  }
+  if (residual.has_value()) {
+    keep.push_back(residual->stride(1) == 1 ? *residual : residual->contiguous());
+    p.res = keep.back().data_ptr();
+    p.stride_r = keep.back().stride(0);
+  }
+}
+
 // The packed GEMM with its folds (packed_gemm.h): out [M, N'] and, with `want_ss`, each row's sums of squares per
 // 16 outputs. The weight, scales and mins are contiguous and 16-byte aligned (the callers check).
 std::tuple<at::Tensor, at::Tensor> run_gemm(const onecopy_native::PackedGemmPlan& plan, const at::Tensor& x_in,
@@ -192,28 +223,13 @@ std::tuple<at::Tensor, at::Tensor> run_gemm(const onecopy_native::PackedGemmPlan
   const auto x = copyable_rows(x_in);
   const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0), n_out = glu ? n / 2 : n;
   auto out = at::empty({m, n_out}, x.options());
-  at::Tensor ss_out, xn, res, nw;
+  at::Tensor ss_out, xn;
+  std::vector<at::Tensor> keep;
   onecopy_native::PackedGemmParams p{};
-  p.x = x.data_ptr();
-  p.stride_x = x.stride(0);
-  p.w = qweight.data_ptr();
-  p.s = scales.data_ptr<float>();
-  p.mn = mins.has_value() ? mins->data_ptr<float>() : nullptr;
-  if (norm_weight.has_value()) {
-    nw = norm_weight->contiguous();
-    nw = aligned16(nw) ? nw : nw.clone();
+  set_operands(p, x, qweight, scales, mins, residual, norm_weight, ss, eps, keep);
+  if (norm_weight.has_value()) {  // the normed rows' buffer
     xn = at::empty({m, k}, x.options());
-    p.nw = nw.data_ptr();
-    p.ss = ss->data_ptr<float>();
-    p.stride_ss = ss->stride(0);
-    p.p_in = static_cast<int>(ss->size(1));
-    p.eps = static_cast<float>(eps);
     p.xn = xn.data_ptr();
-  }
-  if (residual.has_value()) {
-    res = residual->stride(1) == 1 ? *residual : residual->contiguous();
-    p.res = res.data_ptr();
-    p.stride_r = res.stride(0);
   }
   if (want_ss) {
     ss_out = at::empty({m, n_out / 16}, x.options().dtype(at::kFloat));
@@ -325,26 +341,8 @@ std::tuple<at::Tensor, at::Tensor> packed_linear(const at::Tensor& x_in, const a
   auto out = at::empty({m, n_out}, x.options());
   auto ss_out = at::empty({m, n_out / 16}, x.options().dtype(at::kFloat));
   onecopy_native::PackedLinearParams p{};
-  p.x = x.data_ptr();
-  p.stride_x = x.stride(0);
-  p.w = qweight.data_ptr();
-  p.s = scales.data_ptr<float>();
-  p.mn = mins.has_value() ? mins->data_ptr<float>() : nullptr;
-  at::Tensor nw;
-  if (norm_weight.has_value()) {
-    nw = aligned16(*norm_weight) ? *norm_weight : norm_weight->clone();  // read 16 bytes at a time
-    p.nw = nw.data_ptr();
-    p.ss = ss->data_ptr<float>();
-    p.stride_ss = ss->stride(0);
-    p.p_in = static_cast<int>(ss->size(1));
-    p.eps = static_cast<float>(eps);
-  }
-  at::Tensor res;
-  if (residual.has_value()) {
-    res = residual->stride(1) == 1 ? *residual : residual->contiguous();
-    p.res = res.data_ptr();
-    p.stride_r = res.stride(0);
-  }
+  std::vector<at::Tensor> keep;
+  set_operands(p, x, qweight, scales, mins, residual, norm_weight, ss, eps, keep);
   p.out = out.data_ptr();
   p.stride_o = out.stride(0);
   p.ss_out = ss_out.data_ptr<float>();
