@@ -70,10 +70,7 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict
     sd: dict[str, torch.Tensor] = {}
     packed: dict[str, gguf_repack.PackedWeight] = {}
     for t in reader.tensors:
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        shape = tuple(reversed(t.shape.tolist()))
-        w = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)).reshape(shape)
-        p = gguf_repack.repack(t.tensor_type, t.data, shape) if t.tensor_type in gguf_repack.SUPPORTED else None
+        w, p = _read_tensor(t, gguf)
         parts = t.name.split(".")
         if parts[0] == "blk":
             kind = parts[2]
@@ -94,7 +91,7 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict
         else:
             raise ModelSourceError(f"GGUF tensor {t.name} is not understood; unsupported model variant")
         sd[name] = w
-        if p is not None and len(shape) == 2:
+        if p is not None and w.dim() == 2:
             packed[name] = p
     if arch == "qwen2":
         config["attention_bias"] = True
@@ -120,11 +117,17 @@ def _read_qwen3_5(reader: Any, arch: str, gguf: Any) -> tuple[dict[str, Any], di
                                     len(_field(reader, "tokenizer.ggml.tokens", [])))
     tensors = gguf_qwen3_5.Qwen35Tensors(config)
     for t in reader.tensors:
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        shape = tuple(reversed(t.shape.tolist()))
-        p = gguf_repack.repack(t.tensor_type, t.data, shape) if t.tensor_type in gguf_repack.SUPPORTED else None
-        tensors.add(t.name, torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)).reshape(shape), p)
+        tensors.add(t.name, *_read_tensor(t, gguf))
     return config, tensors.finish(), tensors.packed
+
+
+def _read_tensor(t: Any, gguf: Any) -> tuple[torch.Tensor, gguf_repack.PackedWeight | None]:
+    """A GGUF tensor as float32 in torch's shape order (GGUF's ne reversed) and, if its type can stay quantized
+    (`gguf_repack.SUPPORTED`), repacked."""
+    shape = tuple(reversed(t.shape.tolist()))
+    w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32, copy=True))
+    p = gguf_repack.repack(t.tensor_type, t.data, shape) if t.tensor_type in gguf_repack.SUPPORTED else None
+    return w.reshape(shape), p
 
 
 def tokenizer_json_from_gguf(tok: dict[str, Any]) -> str:
