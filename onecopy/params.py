@@ -3,6 +3,7 @@ scheduler reads them)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from .errors import InputError
@@ -38,3 +39,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    def draw_seed(self) -> int:
+        """A request's seed: ``seed``, else a random one (drawn once per request and kept through its
+        preemptions: the draws are a function of the seed and the position, so they repeat)."""
+        return self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1

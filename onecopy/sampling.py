@@ -8,7 +8,6 @@ sessions share the step or on any generator state. Only the chosen ids leave the
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -81,10 +80,10 @@ class BatchSampler:
             setattr(self, name, t)
         return t
 
-    def admit(self, row: int, params: SamplingParams, prompt_ids: list[int]) -> None:
-        """Start a request on ``row``: its parameters, a seed, and the prompt as seen (for the penalty)."""
-        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        self._row[row] = _Row(params, seed)
+    def admit(self, row: int, params: SamplingParams, prompt_ids: list[int], seed: int | None = None) -> None:
+        """Start a request on ``row``: its parameters, its seed (default: `SamplingParams.draw_seed`), and
+        the prompt as seen (for the penalty)."""
+        self._row[row] = _Row(params, params.draw_seed() if seed is None else seed)
         for name, ids in (("_seen", prompt_ids if params.repetition_penalty != 1.0 else ()),
                           ("_suppress", params.suppress_ids), ("_begin", params.begin_suppress_ids)):
             if ids or getattr(self, name) is not None:

@@ -68,7 +68,8 @@ def test_bench_throughput_runs_every_point_with_all_requests_at_once(tiny_bundle
     assert [p["output_tokens"] for p in res["points"]] == [12 * 4, 12 * 8]  # every request to its length, no stop id
     for p in res["points"]:
         assert p["output_tok_s"] > 0 and p["ttft_ms"]["p50"] <= p["ttft_ms"]["p99"] and p["itl_ms"]["p50"] > 0
-        assert 1 < p["mean_decode_batch"] <= 4 and p["rows"] == 4  # the rows took the requests as they freed
+        assert 1 < p["mean_decode_batch"] <= 4 and p["rows"] == p["rows_used_max"] == 4  # rows taken as they freed
+        assert 0 < p["kv_blocks_used_max"] <= p["kv_blocks"] and p["preemptions"] == 0  # every row fits: no preemption
         assert p["trtllm_tok_s"] is None and p["vs_trtllm"] is None  # TensorRT-LLM's table is for H100/H200 runs
     assert res["reference"] is None and png.stat().st_size > 0 and "8/4" in r.stdout
     r = run_cli("bench", "throughput", "--bundle", str(tiny_bundle), "--points", "8x4")

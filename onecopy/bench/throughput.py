@@ -47,8 +47,11 @@ def run_point(engine: Any, input_len: int, output_len: int, requests: int, seed:
                          f"{engine.max_seq_len}; export with a larger --max-seq-len or drop the point")
     rng = random.Random(seed)
     prompts = [[rng.randrange(engine.vocab_size) for _ in range(input_len)] for _ in range(requests)]
-    stats = engine.scheduler.stats
-    steps0, rows0 = stats.decode_steps, stats.decode_rows
+    stats, kv = engine.scheduler.stats, engine.scheduler.kv
+    steps0, rows0, pre0, recomputed0 = stats.decode_steps, stats.decode_rows, stats.preemptions, stats.recomputed_tokens
+    stats.peak_running = engine.scheduler.running
+    if kv is not None:
+        kv.reset_peak()
     params = SamplingParams(max_new_tokens=output_len)
     t0 = time.perf_counter()
     streams = [engine.submit(p, params, chat=False, stop_ids=[]) for p in prompts]
@@ -64,13 +67,14 @@ def run_point(engine: Any, input_len: int, output_len: int, requests: int, seed:
         v = pct(xs, q)
         return None if v is None else round(1000 * v, 2)
 
-    kv = engine.scheduler.kv
     return {"input_len": input_len, "output_len": output_len, "requests": requests, "seconds": round(wall, 3),
             "output_tokens": tokens, "output_tok_s": round(tokens / wall, 1), "requests_per_s": round(requests / wall, 3),
             "ttft_ms": {"p50": ms(ttft, 0.5), "p99": ms(ttft, 0.99)},
             "itl_ms": {"p50": ms(itl, 0.5), "p99": ms(itl, 0.99)},
             "mean_decode_batch": round((stats.decode_rows - rows0) / steps, 1) if steps else None,
-            "rows": engine.max_sessions, "kv_blocks": kv.blocks if kv is not None else None}
+            "rows": engine.max_sessions, "rows_used_max": stats.peak_running,
+            "kv_blocks": kv.blocks if kv is not None else None, "kv_blocks_used_max": kv.peak_used if kv is not None else None,
+            "preemptions": stats.preemptions - pre0, "recomputed_tokens": stats.recomputed_tokens - recomputed0}
 
 
 def reference_gpu(device_name: str) -> str | None:
@@ -133,8 +137,9 @@ def plot(res: dict[str, Any], png: Path) -> None:
 def print_table(res: dict[str, Any]) -> None:
     print(f"{res['requests']} requests at once on {res['device']} ({res['rows']} rows; {res['pool_sizing']})")
     print(f"{'in/out':>11} {'tok/s':>9} {'req/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
-          f"{'batch':>6} {'TRT-LLM':>8} {'x':>5}")
+          f"{'batch':>6} {'rows':>5} {'blocks':>7} {'preempt':>7} {'TRT-LLM':>8} {'x':>5}")
     for p in res["points"]:
         print(f"{p['input_len']:>5}/{p['output_len']:<5} {p['output_tok_s']:>9,.1f} {p['requests_per_s']:>7.2f} "
               f"{p['ttft_ms']['p50']:>9} {p['ttft_ms']['p99']:>9} {p['itl_ms']['p50']:>8} {p['itl_ms']['p99']:>8} "
-              f"{p['mean_decode_batch'] or '-':>6} {p['trtllm_tok_s'] or '-':>8} {p['vs_trtllm'] or '-':>5}")
+              f"{p['mean_decode_batch'] or '-':>6} {p['rows_used_max']:>5} {p['kv_blocks_used_max'] or '-':>7} "
+              f"{p['preemptions']:>7} {p['trtllm_tok_s'] or '-':>8} {p['vs_trtllm'] or '-':>5}")

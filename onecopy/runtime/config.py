@@ -27,7 +27,8 @@ class EngineConfig:
       sessions per decode step (1: one at a time, the unbatched baseline).
     - ``prefix_cache`` (bundles with paged KV; off in deterministic mode): a request starts on the cached
       KV blocks of the longest prefix of its prompt. ``kv_blocks``: KV blocks of the paged cache (default:
-      every row can reach max_seq_len; on CUDA, the free memory).
+      every row can reach max_seq_len; on CUDA, the free memory). Rows take blocks as they grow; when none
+      is left the newest running request is preempted and resumed later (`runtime.scheduler`).
     """
 
     max_sessions: int | None = None

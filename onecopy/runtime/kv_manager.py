@@ -8,7 +8,11 @@ a row about to write into a block another row (or the index) can read gets its o
 on write), so a row never writes what another can read. Blocks no row references but the index still
 publishes are evicted least recently used when blocks run out. Every decision that touches device
 memory is queued as a state operation (`plan.StateOps`) for the model runner to apply.
-Requests reserve the blocks for their prompt and all their new tokens when they are admitted.
+Blocks are the capacity, not rows. A request that starts on an empty row (`grows`) is admitted with
+the blocks of its prompt and its first new position, and takes one more block each time it crosses
+into one (the scheduler preempts the newest such request when none is left: it can be recomputed
+from its ids). A request that continues a session's state reserves every block it may write at
+admission: what its row held before cannot be recomputed.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class KVCacheManager:
         self._free = list(range(spec.blocks - 1, -1, -1))  # a stack: the lowest block is handed out first
         self.index = PrefixIndex(spec.block_size) if spec.prefix_cache else None
         self.copies = 0  # blocks copied on write
+        self.peak_used = 0  # the most blocks referenced by rows at once (`reset_peak` starts a new count)
         self._prefilling: list[Request] = []  # admitted fresh requests whose prompt is not all published yet
 
     # -- capacity ----------------------------------------------------------------------------------
@@ -60,6 +65,14 @@ class KVCacheManager:
     def available(self) -> int:
         """Blocks a row may still take: the free ones and the evictable cached ones."""
         return len(self._free) + (self.index.evictable if self.index is not None else 0)
+
+    @property
+    def used(self) -> int:
+        """Blocks some row references."""
+        return self.blocks - self.available
+
+    def reset_peak(self) -> None:
+        self.peak_used = self.used
 
     def blocks_for(self, positions: int) -> int:
         return -(-positions // self.block_size)
@@ -140,6 +153,20 @@ class KVCacheManager:
         end = req.start + len(req.prompt)
         return max(end, min(end + req.params.max_new_tokens - 1, self.max_seq_len))
 
+    @staticmethod
+    def grows(req: Request) -> bool:
+        """Whether a request takes its blocks as it grows (and may be preempted): it starts on an empty
+        row whose every id it knows, so the row can be emptied and filled again from them."""
+        return req.start == 0 and req.base is not None
+
+    def admission_end(self, req: Request) -> int:
+        """The end of the positions a request's blocks cover when it is admitted: its whole span (a request
+        that does not grow, or one that must ``reserve``), else what it reads before its next sample and
+        the position of that sample's id."""
+        if not self.grows(req) or req.reserve:
+            return self.span(req)
+        return min(req.start + req.feed_len + 1, self.span(req))
+
     def check_request(self, req: Request) -> None:
         """SessionCapacityError if the request could never fit, even in an empty cache."""
         span = self.span(req)
@@ -149,43 +176,59 @@ class KVCacheManager:
                 f"the whole KV cache has {self.blocks} blocks; ask for fewer max_new_tokens or a shorter prompt, or "
                 "load the engine with more kv_blocks")
 
+    @staticmethod
+    def _starts_empty(req: Request) -> bool:
+        """Whether an admitted request's row holds nothing yet: a row of its own, or emptied by a preemption."""
+        return req.owns_row or req.preemptions > 0
+
     def _cached_prefix(self, req: Request, touch: bool) -> tuple[list[int], int]:
-        """The cached blocks a fresh request's prompt starts with and the tokens it takes from them (at
-        least one prompt token is left to prefill: its logits are the first sample)."""
-        if self.index is None or not req.owns_row:
+        """The cached blocks what a fresh request reads starts with and the ids it takes from them (at least
+        one id is left to prefill: its logits are the next sample)."""
+        if self.index is None or not self._starts_empty(req):
             return [], 0
-        found = self.lookup(req.prompt, touch)
-        cached = min(len(found) * self.block_size, len(req.prompt) - 1)
+        found = self.lookup(req.feed(0, req.feed_len), touch)
+        cached = min(len(found) * self.block_size, req.feed_len - 1)
         return found[:self.blocks_for(cached)], cached
 
     def fits(self, req: Request) -> bool:
-        """Whether the blocks a request needs are free or evictable now (and no prompt being prefilled
-        holds more of its prefix than the cache does: then it waits to share that prompt's blocks)."""
-        if not req.owns_row:
-            return self.cost(req.row, req.start, self.span(req)) <= self.available
+        """Whether the blocks a request needs at admission are free or evictable now (and no prompt being
+        prefilled holds more of its prefix than the cache does: then it waits to share that prompt's blocks)."""
+        end = self.admission_end(req)
+        if not self._starts_empty(req):
+            return self.cost(req.row, req.start, end) <= self.available
         shared, cached = self._cached_prefix(req, touch=False)
-        if self.index is not None and any(common_blocks(p.prompt, req.prompt, self.block_size) > len(shared)
-                                          for p in self._prefilling):
-            return False
-        need = self.blocks_for(self.span(req)) - len(shared) + (1 if cached % self.block_size else 0)
+        if self.index is not None and self._prefilling:
+            ids = req.feed(0, req.feed_len)
+            if any(common_blocks(p.feed(0, p.feed_len), ids, self.block_size) > len(shared) for p in self._prefilling):
+                return False
+        need = self.blocks_for(end) - len(shared) + (1 if cached % self.block_size else 0)
         return need <= self.available - sum(1 for b in shared if self.refs[b] == 0)
 
     def place(self, req: Request) -> None:
-        """Give an admitted request its blocks: a fresh row starts on the cached prefix of its prompt
-        (sets ``req.cached``), then every position it may write is made its own."""
-        if req.owns_row:
+        """Give an admitted request its blocks: an empty row starts on the cached prefix of what it reads
+        (sets ``req.cached``), then the positions up to `admission_end` are made its own."""
+        if self._starts_empty(req):
             shared, req.cached = self._cached_prefix(req, touch=True)
             self.share(req.row, shared)
             if self.index is not None:
                 self._prefilling.append(req)
-        self.prepare(req.row, req.start + req.cached, self.span(req))
+        self.prepare(req.row, req.start + req.cached, self.admission_end(req))
 
     def prefilled(self, req: Request) -> None:
         """A request's prompt is in its row (the step is queued): later prompts may start on its blocks."""
         if req in self._prefilling:
             self._prefilling.remove(req)
         if self.index is not None and req.base is not None:
-            self.publish(req.row, req.base + req.prompt)
+            self.publish(req.row, req.base + req.feed(0, req.feed_len))
+
+    def preempted(self, req: Request) -> None:
+        """A running request gives up its blocks (`grows` is true of it): the ids its row holds are
+        published first (with the prefix cache, its next admission starts on those still cached)."""
+        if req in self._prefilling:
+            self._prefilling.remove(req)
+        if self.index is not None:
+            self.publish(req.row, (req.prompt + req.output)[:req.end])
+        self.release(req.row)
 
     def finished(self, req: Request) -> None:
         """An admitted request ended: publish what its row holds (the conversation so far, for its next
@@ -219,12 +262,14 @@ class KVCacheManager:
         else:
             block = self._free.pop()
         self.refs[block] = 1
+        self.peak_used = max(self.peak_used, self.used)
         return block
 
     def _reference(self, block: int) -> None:
         if self.refs[block] == 0 and self.index is not None:
             self.index.referenced(block)
         self.refs[block] += 1
+        self.peak_used = max(self.peak_used, self.used)
 
     def _unreference(self, block: int) -> None:
         self.refs[block] -= 1

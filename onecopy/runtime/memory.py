@@ -223,6 +223,9 @@ class MemoryReport:
     kv_references: int = 0  # block references summed over sessions (what unshared KV would take, in blocks)
     prefix_cache: bool = False
     prefix_cached_tokens: int = 0  # prompt tokens taken from the cache instead of prefilled, since load
+    kv_peak_used_blocks: int = 0  # the most blocks rows held at once, since load
+    preemptions: int = 0  # running requests whose blocks were taken for others (resumed by recompute), since load
+    recomputed_tokens: int = 0  # ids those requests put back in their rows
     packed_weight_bytes: int = 0  # of the unique weights: the packed (quantized) layers' values, scales, mins
     packed_as_float_bytes: int = 0  # what those layers would take in the model dtype
 
@@ -241,7 +244,10 @@ class MemoryReport:
                ("KV block", f"{self.kv_block_bytes / 2**10:,.1f} KiB"),
                ("KV shared / private", f"{_mib(self.kv_shared_bytes)} / {_mib(self.kv_private_bytes)}"),
                ("KV cached (evictable)", _mib(self.kv_evictable_bytes)),
-               ("KV free", _mib(self.kv_free_bytes))] if self.kv_blocks else []),
+               ("KV free", _mib(self.kv_free_bytes)),
+               ("KV blocks used at most", str(self.kv_peak_used_blocks)),
+               ("preemptions (ids recomputed)", f"{self.preemptions} ({self.recomputed_tokens})")]
+              if self.kv_blocks else []),
             ("sessions open", str(self.sessions_open)),
             ("sessions that still fit", str(self.capacity)),
             ("decode graphs (batch sizes)", buckets),
@@ -286,7 +292,8 @@ def engine_report(device: torch.device, manifest: Manifest, methods: "list[Metho
                   kv_shared_bytes=use["shared"] * block, kv_private_bytes=use["private"] * block,
                   kv_evictable_bytes=use["cached"] * block, kv_free_bytes=use["free"] * block,
                   kv_references=use["references"], prefix_cache=prefix_cache,
-                  prefix_cached_tokens=scheduler.stats.cached_tokens)
+                  prefix_cached_tokens=scheduler.stats.cached_tokens, kv_peak_used_blocks=kv_manager.peak_used,
+                  preemptions=scheduler.stats.preemptions, recomputed_tokens=scheduler.stats.recomputed_tokens)
         state_bytes += (use["shared"] + use["private"]) * block
     packed = {f for name in manifest.packed for f in manifest.packed_fqns(name)} & needed
     packed_values = sum(math.prod(p["shape"]) for p in manifest.packed.values())

@@ -78,12 +78,14 @@ class StateOps:
 
 @dataclass(frozen=True)
 class RequestStart:
-    """Set a request up on its row before its first chunk: its sampling state, its encode inputs."""
+    """Set a request up on its row before its first chunk: its sampling state (``seen``: the ids the
+    repetition penalty starts from; ``seed``: its draws'), its encode inputs."""
 
     row: int
     params: SamplingParams
-    prompt: list[int]
+    seen: list[int]
     encode_inputs: tuple[Any, ...] | None
+    seed: int
 
 
 @dataclass

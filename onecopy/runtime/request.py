@@ -4,6 +4,11 @@ A request runs on one row of the state pool: a row it takes at admission and giv
 (``owns_row``), or the row of a session the caller named. Its progress (the row's position, the prompt
 tokens in the state, the ids sampled) lives here, not on a session: the engine reads the outcome when
 the request has ended.
+
+A request on an empty row may be preempted when KV blocks run out (`scheduler.Scheduler`): its row is
+emptied (it keeps the row) and it waits again; when it is admitted again its row is refilled with its
+prompt and the ids it already streamed (``resumed`` of them), and it samples on from there with the
+same seed, so its stream has no gap and no repeat.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from .rows import RowLease
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"  # queued for a row (or for KV blocks)
+    WAITING = "waiting"  # queued for a row (or for KV blocks), or preempted
     PREFILLING = "prefilling"  # admitted, its prompt not all in the state yet
     DECODING = "decoding"  # generating
     FINISHED = "finished"  # see finish_reason
@@ -49,6 +54,10 @@ class Request:
     launched: int = 0  # tokens sampled on the device
     output: list[int] = field(default_factory=list)  # sampled ids that came back, in order
     exhausted: bool = False  # its last token is launched: no more steps
+    seed: int | None = None  # its sampling seed, drawn at the first admission and kept through preemptions
+    resumed: int = 0  # generated ids its row reads again after a preemption, after the prompt
+    preemptions: int = 0  # times its row was emptied for others' KV blocks
+    reserve: bool = False  # preempted with no other request to take blocks from: it waits for all it may write
 
     @property
     def row(self) -> int:
@@ -56,8 +65,25 @@ class Request:
         return self.lease.row
 
     @property
+    def needs_row(self) -> bool:
+        """Whether admission must lease it a row (a preempted request keeps the one it has)."""
+        return self.owns_row and self.lease is None
+
+    @property
+    def feed_len(self) -> int:
+        """Ids the row reads before the next sample: the prompt and, after a preemption, the ids resumed."""
+        return len(self.prompt) + self.resumed
+
+    def feed(self, start: int, end: int) -> list[int]:
+        """Ids [start, end) of what the row reads (the prompt, then the resumed ids)."""
+        n = len(self.prompt)
+        if end <= n:
+            return self.prompt[start:end]
+        return self.prompt[start:n] + self.output[max(start - n, 0):end - n]
+
+    @property
     def reading_prompt(self) -> bool:
-        return self.fed < len(self.prompt)
+        return self.fed < self.feed_len
 
     @property
     def generated(self) -> int:

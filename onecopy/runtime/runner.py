@@ -168,7 +168,7 @@ class ModelRunner:
         """Set up an admitted request on its row: its encode inputs, its sampling state."""
         if start.encode_inputs is not None:
             self.encode(start.row, start.encode_inputs)
-        self.sampler.admit(start.row, start.params, start.prompt)
+        self.sampler.admit(start.row, start.params, start.seen, start.seed)
 
     def execute(self, plan: StepPlan, *, overlap: bool) -> Launched:
         """Queue ``plan``'s device work: its state operations, the admitted requests' set-up, the prefill

@@ -17,6 +17,15 @@ lock):
 3. the model runner executes the plan (`runner.ModelRunner.execute`);
 4. `update` takes the step's sampled ids: each goes to its request, and requests that stop (eos,
    stop ids, max_new_tokens, max_seq_len) finish.
+With paged KV, blocks are the capacity: a request on an empty row is admitted with the blocks of its
+prompt and takes one more as its row crosses into it (`kv_manager.KVCacheManager.grows`). When a
+decoding row needs a block and none is free or evictable, the newest running request that grows is
+preempted (`preempt`): its row is emptied (it keeps the row, and its blocks stay in the prefix cache
+while they last) and it goes back to the head of the queue. Admitted again, its row reads its prompt
+and the ids it already streamed (prefilled; in a deterministic engine the streamed ids go through the
+batch-invariant decode one per step, as they first did, so the row's bits are those of a run never
+preempted) and it samples on with the same seed: its stream has no gap, and no request fails for lack
+of blocks.
 Finishing is the scheduler's too: the request's row is rewound to what it really holds, its blocks
 published and trimmed, and a row the request took is given back unless it is kept. Finished requests
 (also cancelled or failed ones) are handed out by `take_finished`, for their streams to end.
@@ -32,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..errors import InputError, OnecopyError, QueueFullError
+from ..errors import InputError, OnecopyError, QueueFullError, SessionCapacityError
 from .kv_manager import KVCacheManager, KVSpec
 from .plan import PrefillChunk, RequestStart, StateOps, StepPlan, ZeroRow
 from .request import Request, RequestStatus
@@ -62,6 +71,9 @@ class SchedulerStats:
     decode_rows: int = 0  # requests decoded, summed over the steps (rows / steps: the mean batch)
     prefill_chunks: int = 0
     prefill_steps: int = 0  # steps with a prefill chunk (fewer than the chunks with a token budget)
+    preemptions: int = 0  # running requests whose row was emptied for others' KV blocks
+    peak_running: int = 0  # the most requests running at once
+    recomputed_tokens: int = 0  # ids put back in rows again after preemptions (not counted in prompt_tokens)
 
 
 class Scheduler:
@@ -69,12 +81,13 @@ class Scheduler:
 
     ``reclaimer`` (settable): when a waiting request needs a row and none is free, its ``reclaim()``
     closes an idle session (e.g. a cached conversation) and says whether it did; ``idle()`` counts
-    those it could close.
+    those it could close. ``replay_in_decode`` (a deterministic engine): a preempted request's streamed
+    ids go back into its row through the decode step, not the prefill.
     """
 
     def __init__(self, rows: int, *, max_seq_len: int, has_prefill: bool, prefill_chunk: int,
                  max_queue: int | None = None, max_batch: int | None = None, token_budget: int | None = None,
-                 kv: KVSpec | None = None) -> None:
+                 kv: KVSpec | None = None, replay_in_decode: bool = False) -> None:
         if prefill_chunk < 1:
             raise InputError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if token_budget is not None and token_budget < 1:
@@ -85,7 +98,7 @@ class Scheduler:
             raise InputError(f"max_batch must be >= 1, got {max_batch}")
         self.max_seq_len, self.has_prefill = max_seq_len, has_prefill
         self.prefill_chunk, self.max_queue, self.max_batch = prefill_chunk, max_queue, max_batch
-        self.token_budget = token_budget
+        self.token_budget, self.replay_in_decode = token_budget, replay_in_decode
         self.stats = SchedulerStats()
         self.reclaimer: Reclaimer | None = None
         self.ops = StateOps()  # device work decided and not yet applied (the next plan carries it)
@@ -153,7 +166,7 @@ class Scheduler:
             return self._backlog(extra)
 
     def _backlog(self, extra: int = 0) -> int:
-        need_row = extra + sum(1 for r in self._waiting if r.owns_row and not r.cancel_requested)
+        need_row = extra + sum(1 for r in self._waiting if r.needs_row and not r.cancel_requested)
         reclaimable = self.reclaimer.idle() if self.reclaimer is not None else 0
         return max(0, need_row - self.rows.free_rows - reclaimable)
 
@@ -164,9 +177,9 @@ class Scheduler:
         with self._queue_lock:
             waiting = list(self._waiting)
         free = self.rows.free_rows
-        if free == 0 and self.reclaimer is not None and self.reclaimer.idle() and any(r.owns_row for r in waiting):
+        if free == 0 and self.reclaimer is not None and self.reclaimer.idle() and any(r.needs_row for r in waiting):
             return True  # an idle session can make room
-        return any(r.cancel_requested or (not r.owns_row or free > 0) and self._fits(r) for r in waiting)
+        return any(r.cancel_requested or (not r.needs_row or free > 0) and self._fits(r) for r in waiting)
 
     def _fits(self, req: Request) -> bool:
         return self.kv is None or self.kv.fits(req)
@@ -179,7 +192,8 @@ class Scheduler:
 
     # -- one iteration -----------------------------------------------------------------------------
     def admit(self) -> list[Request]:
-        """End cancelled requests; give waiting ones a row (and blocks) while they last. Returns the admitted."""
+        """End cancelled requests; give waiting ones a row (and blocks) while they last, preempted ones
+        first. Returns the requests admitted for the first time."""
         with self._queue_lock:
             waiting = list(self._waiting)  # a snapshot: `add` appends on other threads
         for req in [r for r in waiting + self._running if r.cancel_requested]:
@@ -187,19 +201,22 @@ class Scheduler:
         admitted = []
         blocked = False  # the oldest request needing a row waits for KV blocks: later ones must not overtake it
         for req in waiting:
-            if req.status is not RequestStatus.WAITING or req.owns_row and blocked:
+            queued_for_blocks = req.owns_row or req.preemptions > 0
+            if req.status is not RequestStatus.WAITING or queued_for_blocks and blocked:
                 continue
             if not self._fits(req):
-                blocked = blocked or req.owns_row
+                blocked = blocked or queued_for_blocks
                 continue  # waits for KV blocks (requests end and give theirs back)
             at = self._dequeue(req)  # out of the queue before a row changes hands (see `backlog`)
-            if req.owns_row:
+            if req.needs_row:
                 if self.rows.free_rows == 0 and not (self.reclaimer is not None and self.reclaimer.reclaim()):
                     with self._queue_lock:
                         self._waiting.insert(at, req)
                     continue  # waits for a row; requests on their own session may still go ahead
                 req.lease = self.rows.take()
-            req.admitted = True
+            first = not req.admitted
+            if first:
+                req.admitted, req.seed = True, req.params.draw_seed()
             req.position = req.start
             if self.kv is not None:
                 try:
@@ -210,10 +227,15 @@ class Scheduler:
             self._running.append(req)
             req.status = RequestStatus.PREFILLING
             req.position, req.fed = req.start + req.cached, req.cached
-            self._starts.append(RequestStart(req.row, req.params, req.prompt, req.encode_inputs))
-            self.stats.prompt_tokens += len(req.prompt)
-            self.stats.cached_tokens += req.cached
-            admitted.append(req)
+            self._starts.append(RequestStart(req.row, req.params, req.feed(0, req.feed_len), req.encode_inputs,
+                                             req.seed))
+            if first:
+                self.stats.prompt_tokens += len(req.prompt)
+                self.stats.cached_tokens += req.cached
+                admitted.append(req)
+            else:
+                self.stats.recomputed_tokens += req.feed_len - req.cached
+        self.stats.peak_running = max(self.stats.peak_running, len(self._running))
         return admitted
 
     def schedule(self) -> StepPlan | None:
@@ -222,25 +244,27 @@ class Scheduler:
         The positions a plan names are the rows' before it; afterwards each request's position counts
         the tokens the step puts in its row.
         """
-        plan = StepPlan(state_ops=self.ops.take(), starts=self._starts)
-        self._starts = []
         # The decode step's requests, chosen before any prompt advances (a prompt that ends in this
         # step's chunk is sampled from its chunk, and decodes from the next step on).
         step = [r for r in self._running if not r.exhausted and (not r.reading_prompt and r.launched > 0
-                                                                  or (not self.has_prefill and r.reading_prompt))]
+                                                                  or r.reading_prompt and self._fed_by_decode(r))]
         if self.max_batch is not None and len(step) > self.max_batch:
             k = self._rotation % len(step)
             step = (step[k:] + step[:k])[:self.max_batch]
             self._rotation += self.max_batch
+        if self.kv is not None:
+            step = self._grow(step)
+        plan = StepPlan(starts=self._starts)  # after `_grow`: a preempted request is set up no more
+        self._starts = []
         if self.has_prefill:
             self._plan_prefills(plan, len(step))
         for i, r in enumerate(step):
             plan.decode_rows.append(r.row)
             plan.decode_positions.append(r.position)
             if r.reading_prompt:
-                plan.fed.append((r.row, r.prompt[r.fed]))
+                plan.fed.append((r.row, r.feed(r.fed, r.fed + 1)[0]))
             # Sampled: every step row but those with more prompt to feed after this token.
-            if not r.reading_prompt or r.fed + 1 == len(r.prompt):
+            if not r.reading_prompt or r.fed + 1 == r.feed_len:
                 plan.sample.append((r, i))
                 plan.sample_positions.append(r.position + 1)
             r.position += 1
@@ -255,17 +279,73 @@ class Scheduler:
             req.status = RequestStatus.DECODING
             # Known now, without the id: this was the request's last token (the stop ids wait for the id).
             req.exhausted = req.launched >= req.params.max_new_tokens or req.position >= self.max_seq_len
+        plan.state_ops = self.ops.take()  # what admission and `_grow` decided, applied before the step
         if not (plan.state_ops or plan.starts or plan.prefills or step):
             return None
         return plan
+
+    def _fed_by_decode(self, req: Request) -> bool:
+        """Whether the next id a request reads goes through the decode step (no prefill method; or, in a
+        deterministic engine, an id it streamed before a preemption: the decode step wrote it first)."""
+        return not self.has_prefill or self.replay_in_decode and req.fed >= len(req.prompt)
+
+    def _prefill_end(self, req: Request) -> int:
+        """Where a request's prefill stops: after its prompt, or after the ids it resumes (see `_fed_by_decode`)."""
+        return len(req.prompt) if self.replay_in_decode else req.feed_len
+
+    def _grow(self, step: list[Request]) -> list[Request]:
+        """Each step row's position made writable (a block taken as the row crosses into one, in step
+        order); while the blocks are not there, the newest running request that grows is preempted (the
+        row itself, at worst). Returns the step's requests that were not preempted."""
+        kv = self.kv
+        for r in step:
+            if r.status in (RequestStatus.WAITING, RequestStatus.FINISHED):
+                continue  # preempted for an earlier row of this step
+            need = kv.cost(r.row, r.position, r.position + 1)
+            while need > kv.available:
+                victim = next((q for q in reversed(self._running) if kv.grows(q) and not q.exhausted), None)
+                if victim is None:  # only a request that reserved its span gets here, and it never needs a block
+                    self.finish(r, "error", SessionCapacityError(
+                        f"row {r.row} needs a KV block at position {r.position} and none is free; this is a bug in "
+                        "onecopy's block accounting, please report it"))
+                    break
+                self.preempt(victim)
+                if victim is r:
+                    # Nothing else grows: the blocks are held by requests that reserved theirs and sessions. Resumed
+                    # on what it reads now, it would be here again at once; it waits for all it may write instead.
+                    r.reserve = not any(kv.grows(q) for q in self._running)
+                    break
+            else:
+                if need:  # nothing to do at a position inside a block the row holds alone
+                    kv.prepare(r.row, r.position, r.position + 1)
+        return [r for r in step if r.status not in (RequestStatus.WAITING, RequestStatus.FINISHED)]
+
+    def preempt(self, req: Request) -> None:
+        """Empty the row of running ``req`` (one that `grows`) for others' KV blocks and queue it first.
+
+        It keeps its row; its blocks are published (the prefix cache) and released, the row zeroed.
+        The ids of steps already queued still reach it (`update`); once they have, everything it sampled
+        is in ``output``, and its next admission puts the prompt and those ids back (``resumed``)."""
+        self._running.remove(req)
+        self._starts = [s for s in self._starts if s.row != req.row]  # admitted in this iteration: not set up
+        self.kv.preempted(req)
+        self.ops.add(ZeroRow(req.row))
+        req.status, req.exhausted = RequestStatus.WAITING, False
+        req.resumed = req.launched  # every id sampled so far: all of them are back before it is admitted again
+        req.position, req.fed, req.cached = req.start, 0, 0  # its row holds nothing (see `Request.end`)
+        req.preemptions += 1
+        self.stats.preemptions += 1
+        with self._queue_lock:
+            self._waiting.appendleft(req)
 
     def _plan_prefills(self, plan: StepPlan, decoding: int) -> None:
         """The step's prefill chunks: the oldest prompt's next chunk, then (with a token budget) the next
         prompts' while the step's tokens fit. A chunk is always a whole ``prefill_chunk`` cut (or a
         prompt's rest): the budget decides which prompts advance, never where a prompt is cut."""
         budget = (self.token_budget or 0) - decoding
-        for req in [r for r in self._running if r.reading_prompt]:
-            chunk = req.prompt[req.fed:req.fed + self.prefill_chunk]
+        for req in [r for r in self._running if r.fed < self._prefill_end(r)]:
+            end = self._prefill_end(req)
+            chunk = req.feed(req.fed, min(req.fed + self.prefill_chunk, end))
             if plan.prefills and len(chunk) > budget:
                 break  # in admission order: a later, shorter chunk does not overtake this one
             budget -= len(chunk)
@@ -273,9 +353,10 @@ class Scheduler:
             req.fed += len(chunk)
             req.position += len(chunk)
             self.stats.prefill_chunks += 1
-            if not req.reading_prompt:
-                plan.sample.append((req, -len(plan.prefills)))
-                plan.sample_positions.append(req.position)
+            if req.fed == end:
+                if not req.reading_prompt:
+                    plan.sample.append((req, -len(plan.prefills)))
+                    plan.sample_positions.append(req.position)
                 if self.kv is not None:
                     self.kv.prefilled(req)
         self.stats.prefill_steps += bool(plan.prefills)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 from ..runtime.memory import device_used
 
@@ -20,6 +21,19 @@ def _device_used(engine: "Engine") -> float:
     """Device bytes in use now (the whole device on CUDA, this process on CPU); no device sync. Nothing once
     the engine has failed: a failed CUDA context refuses even cudaMemGetInfo, and a scrape must not fail."""
     return 0.0 if engine.closed or engine.failed else float(device_used(engine.device, sync=False))
+
+
+class _Preemptions:
+    """The scheduler's preemption counters, read at each scrape (they live in the scheduler, not here)."""
+
+    def __init__(self, engine: "Engine") -> None:
+        self.stats = engine.scheduler.stats
+
+    def collect(self):
+        yield CounterMetricFamily("onecopy_preemptions", "Running requests whose KV blocks were taken for others "
+                                  "(resumed later by recomputing their ids)", value=self.stats.preemptions)
+        yield CounterMetricFamily("onecopy_recomputed_tokens", "Ids preempted requests put back in their rows",
+                                  value=self.stats.recomputed_tokens)
 
 
 class ServerMetrics:
@@ -54,6 +68,7 @@ class ServerMetrics:
                        "free", ["kind"], registry=r)
             for kind in ("shared", "private", "cached", "free"):  # host bookkeeping: readable after a failure too
                 kv.labels(kind).set_function(lambda kind=kind: 0 if engine.closed else blocks.usage()[kind])
+            r.register(_Preemptions(engine))
 
     def observe(self, stream: "TokenStream", reused: int) -> None:
         """Count a finished generation."""
