@@ -69,15 +69,18 @@ def test_blocks_are_taken_as_rows_grow_and_the_newest_request_is_preempted_when_
     assert b.output == [200, 201, 202]
 
 
-def test_ids_of_steps_queued_before_the_preemption_still_reach_the_request():
-    """Overlapped steps: the step that preempts b is planned before the previous step's ids are back."""
+def test_a_request_with_an_id_on_its_way_is_drained_for_a_step_before_it_is_preempted():
+    """Overlapped steps: the step that needs b's blocks is planned before the previous step's ids are back.
+    b and the row short of a block sit it out; b is preempted at the next step with every id it sampled."""
     s, a, b = two_running()
-    queued = s.schedule()  # a at 7, b at 6; its ids are not back yet
-    p = s.schedule()  # a needs a block: b is preempted with one id on its way
-    assert b.status is RequestStatus.WAITING and b.resumed == 2 and b.output == [200]
+    queued = s.schedule()  # a at 7, b at 6; their ids are not back yet
+    p = s.schedule()
+    assert p is None or (p.decode_rows == [] and p.state_ops == [])  # nobody could run
+    assert b.status is RequestStatus.DECODING and a.position == 8
     s.update(queued, [102, 201])
-    assert b.output == [200, 201]  # streamed: the step ran before b's row was emptied
-    s.update(p, [103])
+    p = s.schedule()
+    assert b.status is RequestStatus.WAITING and b.resumed == 2 and b.output == [200, 201]
+    assert p.decode_rows == [a.row] and p.decode_positions == [8]
 
 
 def test_a_deterministic_engine_replays_the_streamed_ids_through_the_decode_step():
@@ -125,21 +128,63 @@ def test_a_request_continuing_a_session_reserves_its_span_and_is_never_preempted
     assert turn.finish_reason == fresh.finish_reason == "length" and len(fresh.output) == 14 and fresh.preemptions == 1
 
 
-def test_a_preempted_request_that_ends_with_its_queued_id_gives_its_row_back_and_a_kept_one_holds_nothing():
+def test_a_request_that_ends_on_the_id_it_was_drained_for_keeps_its_row_whole():
+    """A kept request whose id in flight is a stop id ends while drained, its row as it was: the session holds
+    its conversation (a row emptied under it would have left the session open and empty)."""
     s, a, b = two_running()
-    b.stop_ids = frozenset({201})
-    b.keep_row = True
+    b.stop_ids, b.keep_row = frozenset({201}), True
     queued = s.schedule()
-    s.schedule()  # b preempted, 201 on its way
+    s.schedule()  # b drained
     s.update(queued, [102, 201])
-    assert b.finish_reason == "stop" and s.waiting == 0 and b.end == 0 and b.held == []
-    assert s.rows.holds(b.lease) and s.kv.owned[b.row] == []  # kept: its session starts over from an empty row
-    b.keep_row = False
-    plain = request(range(31, 34))
-    s.add(plain)
+    assert b.finish_reason == "stop" and b.preemptions == 0 and b.end == 7 and b.held == [*range(11, 17), 200]
+    assert s.rows.holds(b.lease) and len(s.kv.owned[b.row]) == 2  # kept, with its blocks
+    p = s.schedule()  # b's blocks stay with its session: a has none to grow into and gives its own back
+    assert a.status is RequestStatus.WAITING and a.reserve and p.decode_rows == []
+
+
+class IdleSessions:
+    """A reclaimer holding idle sessions' rows (as the server's conversation cache does)."""
+
+    def __init__(self, s: Scheduler, leases: list) -> None:
+        self.s, self.leases, self.reclaimed = s, leases, 0
+
+    def idle(self) -> int:
+        return len(self.leases)
+
+    def reclaim(self) -> bool:
+        if not self.leases:
+            return False
+        self.s.free_row(self.leases.pop(0))
+        self.reclaimed += 1
+        return True
+
+
+def test_idle_sessions_give_their_blocks_back_before_a_running_request_is_preempted():
+    s = scheduler(blocks=6)
+    lease = s.take_row()
+    s.kv.prepare(lease.row, 0, 8)  # an idle conversation holds 2 blocks
+    s.reclaimer = idle = IdleSessions(s, [lease])
+    a, b = request(range(1, 7)), request(range(11, 17))
+    s.add(a), s.add(b)
     s.admit()
-    s.finish(plain, "cancelled")
-    assert not s.rows.holds(plain.lease)
+    ids = iter(range(300, 400))
+    while a.position < 9:
+        p = s.schedule()
+        s.update(p, [next(ids) for _ in p.sample])
+    assert idle.reclaimed == 1 and s.stats.preemptions == 0 and not s.rows.holds(lease)
+
+
+def test_a_request_waiting_for_blocks_holds_back_the_later_ones_and_the_loop_rests():
+    """has_work follows admission's rule: with the oldest request short of blocks, a later one that would fit
+    is not admitted, so has_work says there is nothing to do (the loop sleeps instead of spinning)."""
+    s = scheduler(blocks=4)
+    lease = s.take_row()
+    s.kv.prepare(lease.row, 0, 12)  # a session holds 3 of the 4 blocks
+    big, small = request(range(1, 9)), request(range(11, 13))
+    s.add(big), s.add(small)
+    assert s.admit() == [] and not s.has_work()
+    s.free_row(lease)
+    assert s.has_work() and s.admit() == [big, small]
 
 
 # -- on a real bundle ---------------------------------------------------------------------------------------------

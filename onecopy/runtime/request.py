@@ -58,6 +58,7 @@ class Request:
     resumed: int = 0  # generated ids its row reads again after a preemption, after the prompt
     preemptions: int = 0  # times its row was emptied for others' KV blocks
     reserve: bool = False  # preempted with no other request to take blocks from: it waits for all it may write
+    arrival: int = 0  # its place in the order the scheduler was given requests
 
     @property
     def row(self) -> int:

@@ -150,6 +150,7 @@ class Scheduler:
                 raise QueueFullError(f"{self._backlog()} requests already wait for a free row "
                                      f"(max_queue={self.max_queue}); retry later, or load the engine with a larger "
                                      "max_queue")
+            req.arrival = self.stats.requests_submitted  # victims of preemption are the latest to arrive
             self._waiting.append(req)
             self._unfinished[req] = None
             self.stats.requests_submitted += 1
@@ -171,15 +172,29 @@ class Scheduler:
         return max(0, need_row - self.rows.free_rows - reclaimable)
 
     def has_work(self) -> bool:
-        """Whether an iteration would do anything now."""
+        """Whether an iteration would do anything now (`admit`'s rules: a request waiting for blocks holds
+        back the later ones; an idle session the reclaimer can close makes room for a row or blocks)."""
         if self._running or self._starts:
             return True
         with self._queue_lock:
             waiting = list(self._waiting)
         free = self.rows.free_rows
-        if free == 0 and self.reclaimer is not None and self.reclaimer.idle() and any(r.needs_row for r in waiting):
-            return True  # an idle session can make room
-        return any(r.cancel_requested or (not r.needs_row or free > 0) and self._fits(r) for r in waiting)
+        idle = self.reclaimer is not None and self.reclaimer.idle() > 0
+        blocked = False
+        for r in waiting:
+            if r.cancel_requested:
+                return True
+            queued_for_blocks = r.owns_row or r.preemptions > 0
+            if queued_for_blocks and blocked:
+                continue
+            if not self._fits(r):
+                if queued_for_blocks and idle:
+                    return True
+                blocked = blocked or queued_for_blocks
+                continue
+            if not r.needs_row or free > 0 or idle:
+                return True
+        return False
 
     def _fits(self, req: Request) -> bool:
         return self.kv is None or self.kv.fits(req)
@@ -204,7 +219,10 @@ class Scheduler:
             queued_for_blocks = req.owns_row or req.preemptions > 0
             if req.status is not RequestStatus.WAITING or queued_for_blocks and blocked:
                 continue
-            if not self._fits(req):
+            fits = self._fits(req)
+            while not fits and queued_for_blocks and self._reclaim_idle():
+                fits = self._fits(req)  # an idle session's blocks went back
+            if not fits:
                 blocked = blocked or queued_for_blocks
                 continue  # waits for KV blocks (requests end and give theirs back)
             at = self._dequeue(req)  # out of the queue before a row changes hands (see `backlog`)
@@ -225,7 +243,7 @@ class Scheduler:
                     self.finish(req, "error", e)
                     continue
             self._running.append(req)
-            req.status = RequestStatus.PREFILLING
+            req.status, req.reserve = RequestStatus.PREFILLING, False
             req.position, req.fed = req.start + req.cached, req.cached
             self._starts.append(RequestStart(req.row, req.params, req.feed(0, req.feed_len), req.encode_inputs,
                                              req.seed))
@@ -233,8 +251,6 @@ class Scheduler:
                 self.stats.prompt_tokens += len(req.prompt)
                 self.stats.cached_tokens += req.cached
                 admitted.append(req)
-            else:
-                self.stats.recomputed_tokens += req.feed_len - req.cached
         self.stats.peak_running = max(self.stats.peak_running, len(self._running))
         return admitted
 
@@ -263,6 +279,7 @@ class Scheduler:
             plan.decode_positions.append(r.position)
             if r.reading_prompt:
                 plan.fed.append((r.row, r.feed(r.fed, r.fed + 1)[0]))
+                self.stats.recomputed_tokens += r.preemptions > 0
             # Sampled: every step row but those with more prompt to feed after this token.
             if not r.reading_prompt or r.fed + 1 == r.feed_len:
                 plan.sample.append((r, i))
@@ -294,20 +311,31 @@ class Scheduler:
         return len(req.prompt) if self.replay_in_decode else req.feed_len
 
     def _grow(self, step: list[Request]) -> list[Request]:
-        """Each step row's position made writable (a block taken as the row crosses into one, in step
-        order); while the blocks are not there, the newest running request that grows is preempted (the
-        row itself, at worst). Returns the step's requests that were not preempted."""
-        kv = self.kv
+        """Each step row's position made writable (a block taken as the row crosses into one, in step order).
+
+        While the blocks are not there, idle sessions the reclaimer can close (kept conversations) go first,
+        then the running request that grows and arrived last is preempted (the row itself, at worst). One
+        with an id still on its way (overlapped steps) is drained instead: it and every row still short of a
+        block sit this step out, and it is preempted at the next, its ids all back. So a request never ends
+        on an id it had in flight while its row is empty: a kept session always holds its conversation.
+        Returns the step's requests that run."""
+        kv, held = self.kv, set()
         for r in step:
-            if r.status in (RequestStatus.WAITING, RequestStatus.FINISHED):
-                continue  # preempted for an earlier row of this step
+            if r in held or r.status in (RequestStatus.WAITING, RequestStatus.FINISHED):
+                continue  # preempted or drained for an earlier row of this step
             need = kv.cost(r.row, r.position, r.position + 1)
             while need > kv.available:
-                victim = next((q for q in reversed(self._running) if kv.grows(q) and not q.exhausted), None)
-                if victim is None:  # only a request that reserved its span gets here, and it never needs a block
+                if self._reclaim_idle():
+                    continue
+                victim = None if held else max(
+                    (q for q in self._running if kv.grows(q) and not q.exhausted), key=lambda q: q.arrival, default=None)
+                if victim is None and not held:  # only a request that reserved its span gets here: it never needs one
                     self.finish(r, "error", SessionCapacityError(
                         f"row {r.row} needs a KV block at position {r.position} and none is free; this is a bug in "
                         "onecopy's block accounting, please report it"))
+                    break
+                if victim is None or victim.launched > victim.generated:
+                    held.update((r, victim) if victim is not None else (r,))
                     break
                 self.preempt(victim)
                 if victim is r:
@@ -318,20 +346,23 @@ class Scheduler:
             else:
                 if need:  # nothing to do at a position inside a block the row holds alone
                     kv.prepare(r.row, r.position, r.position + 1)
-        return [r for r in step if r.status not in (RequestStatus.WAITING, RequestStatus.FINISHED)]
+        return [r for r in step if r not in held and r.status not in (RequestStatus.WAITING, RequestStatus.FINISHED)]
+
+    def _reclaim_idle(self) -> bool:
+        """Close an idle session the reclaimer holds (its row and KV blocks free); whether one was closed."""
+        return self.reclaimer is not None and self.reclaimer.idle() > 0 and self.reclaimer.reclaim()
 
     def preempt(self, req: Request) -> None:
-        """Empty the row of running ``req`` (one that `grows`) for others' KV blocks and queue it first.
-
-        It keeps its row; its blocks are published (the prefix cache) and released, the row zeroed.
-        The ids of steps already queued still reach it (`update`); once they have, everything it sampled
-        is in ``output``, and its next admission puts the prompt and those ids back (``resumed``)."""
+        """Empty the row of running ``req`` (one that `grows`, with no id on its way) for others' KV blocks
+        and queue it first. It keeps its row; its blocks are published (the prefix cache) and released, the
+        row zeroed. Everything it sampled is in ``output``: its next admission puts the prompt and those
+        ids back (``resumed``)."""
         self._running.remove(req)
         self._starts = [s for s in self._starts if s.row != req.row]  # admitted in this iteration: not set up
         self.kv.preempted(req)
         self.ops.add(ZeroRow(req.row))
         req.status, req.exhausted = RequestStatus.WAITING, False
-        req.resumed = req.launched  # every id sampled so far: all of them are back before it is admitted again
+        req.resumed = req.launched
         req.position, req.fed, req.cached = req.start, 0, 0  # its row holds nothing (see `Request.end`)
         req.preemptions += 1
         self.stats.preemptions += 1
@@ -350,6 +381,8 @@ class Scheduler:
                 break  # in admission order: a later, shorter chunk does not overtake this one
             budget -= len(chunk)
             plan.prefills.append(PrefillChunk(req, req.row, req.position, chunk))
+            if req.preemptions:
+                self.stats.recomputed_tokens += len(chunk)
             req.fed += len(chunk)
             req.position += len(chunk)
             self.stats.prefill_chunks += 1

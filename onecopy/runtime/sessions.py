@@ -202,6 +202,7 @@ class Sessions:
             self.scheduler.ops.add(ZeroRow(session.row))
             self._device(lambda: None)
             session.position, session.tokens = 0, []
+        self._wake()  # its blocks went back: a request waiting for blocks may go on
 
     def state(self, session: Session) -> dict[str, torch.Tensor]:
         with self.lock:
@@ -238,6 +239,7 @@ class Sessions:
 
             self._device(write)
             session.position, session.tokens = snap.position, None
+        self._wake()  # the blocks it held went back first: a request waiting for blocks may go on
 
     def _check_snapshot(self, snap: SessionSnapshot) -> None:
         """InputError unless ``snap`` is a state of this bundle, whole and in range."""
