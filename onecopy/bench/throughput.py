@@ -99,11 +99,12 @@ def bench_throughput(engine: Any, points: list[tuple[int, int]], requests: int, 
         row["trtllm_tok_s"] = ref
         row["vs_trtllm"] = round(row["output_tok_s"] / ref, 2) if ref else None
         res["points"].append(row)
-    if out is not None:
-        import json
+        print(f"point {i}/{o}: {row['output_tok_s']:,.1f} tok/s", flush=True)
+        if out is not None:  # after every point: a long run cut short keeps the points it measured
+            import json
 
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=1))
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(res, indent=1))
     if png is not None:
         plot(res, png)
     return res

@@ -58,7 +58,9 @@ class KVCacheManager:
         self.index = PrefixIndex(spec.block_size) if spec.prefix_cache else None
         self.copies = 0  # blocks copied on write
         self.peak_used = 0  # the most blocks referenced by rows at once (`reset_peak` starts a new count)
-        self._prefilling: list[Request] = []  # admitted fresh requests whose prompt is not all published yet
+        # Admitted fresh requests whose prompt is not all published yet, by their first block's ids (only a
+        # prompt with the same first block can share any of theirs): admitting N at once stays linear.
+        self._prefilling: dict[tuple[int, ...], list[Request]] = {}
 
     # -- capacity ----------------------------------------------------------------------------------
     @property
@@ -199,7 +201,8 @@ class KVCacheManager:
         shared, cached = self._cached_prefix(req, touch=False)
         if self.index is not None and self._prefilling:
             ids = req.feed(0, req.feed_len)
-            if any(common_blocks(p.feed(0, p.feed_len), ids, self.block_size) > len(shared) for p in self._prefilling):
+            if any(common_blocks(p.feed(0, p.feed_len), ids, self.block_size) > len(shared)
+                   for p in self._prefilling.get(tuple(ids[:self.block_size]), ())):
                 return False
         need = self.blocks_for(end) - len(shared) + (1 if cached % self.block_size else 0)
         return need <= self.available - sum(1 for b in shared if self.refs[b] == 0)
@@ -210,22 +213,20 @@ class KVCacheManager:
         if self._starts_empty(req):
             shared, req.cached = self._cached_prefix(req, touch=True)
             self.share(req.row, shared)
-            if self.index is not None:
-                self._prefilling.append(req)
+            if self.index is not None and req.feed_len >= self.block_size:
+                self._prefilling.setdefault(self._first_block(req), []).append(req)
         self.prepare(req.row, req.start + req.cached, self.admission_end(req))
 
     def prefilled(self, req: Request) -> None:
         """A request's prompt is in its row (the step is queued): later prompts may start on its blocks."""
-        if req in self._prefilling:
-            self._prefilling.remove(req)
+        self._untrack(req)
         if self.index is not None and req.base is not None:
             self.publish(req.row, req.base + req.feed(0, req.feed_len))
 
     def preempted(self, req: Request) -> None:
         """A running request gives up its blocks (`grows` is true of it): the ids its row holds are
         published first (with the prefix cache, its next admission starts on those still cached)."""
-        if req in self._prefilling:
-            self._prefilling.remove(req)
+        self._untrack(req)
         if self.index is not None:
             self.publish(req.row, (req.prompt + req.output)[:req.end])
         self.release(req.row)
@@ -233,8 +234,7 @@ class KVCacheManager:
     def finished(self, req: Request) -> None:
         """An admitted request ended: publish what its row holds (the conversation so far, for its next
         turn) and drop the blocks it reserved and did not write."""
-        if req in self._prefilling:
-            self._prefilling.remove(req)
+        self._untrack(req)
         held = req.held
         if held is not None:
             self.publish(req.row, held)
@@ -253,6 +253,17 @@ class KVCacheManager:
         return sorted(self._free)
 
     # -- internals -----------------------------------------------------------------------------------
+    def _first_block(self, req: Request) -> tuple[int, ...]:
+        return tuple(req.feed(0, self.block_size))
+
+    def _untrack(self, req: Request) -> None:
+        """``req`` leaves the prompts being prefilled (if it was one)."""
+        same = self._prefilling.get(self._first_block(req)) if req.feed_len >= self.block_size else None
+        if same is not None and req in same:
+            same.remove(req)
+            if not same:
+                del self._prefilling[self._first_block(req)]
+
     def _take(self) -> int:
         if not self._free:
             evicted = self.index.evict_lru() if self.index is not None else None

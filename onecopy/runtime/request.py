@@ -79,7 +79,7 @@ class Request:
         """Ids [start, end) of what the row reads (the prompt, then the resumed ids)."""
         n = len(self.prompt)
         if end <= n:
-            return self.prompt[start:end]
+            return self.prompt if start == 0 and end == n else self.prompt[start:end]  # read-only: no copy
         return self.prompt[start:n] + self.output[max(start - n, 0):end - n]
 
     @property
