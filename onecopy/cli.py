@@ -28,6 +28,10 @@ def add_engine_options(p: argparse.ArgumentParser, *, max_queue: int | None) -> 
                         "decoding session always run (default: one chunk per iteration)")
     g.add_argument("--prefill-chunk", type=int, metavar="TOKENS", help="prompt tokens per prefill call (default 512)")
     g.add_argument("--kv-blocks", type=int, help="KV blocks of the paged cache (default: from free memory)")
+    g.add_argument("--new-token-ratio", type=float, default=1.0, metavar="R",
+                   help="share of running requests' unwritten max_new_tokens kept free in KV blocks when admitting "
+                        "another (default 1: no preemption for requests that run to max_new_tokens; lower admits "
+                        "more, betting on early stops)")
     g.add_argument("--deterministic", action="store_true",
                    help="batch-invariant decoding: a session's tokens never depend on its neighbours")
     g.add_argument("--no-prefix-cache", action="store_true",
@@ -40,6 +44,7 @@ def engine_config(a: argparse.Namespace, **overrides: object) -> "EngineConfig":
 
     return EngineConfig.of(max_sessions=a.max_sessions, max_queue=a.max_queue, token_budget=a.token_budget,
                            prefill_chunk=a.prefill_chunk, kv_blocks=a.kv_blocks, deterministic=a.deterministic,
+                           new_token_ratio=a.new_token_ratio,
                            prefix_cache=not a.no_prefix_cache, **overrides)
 
 

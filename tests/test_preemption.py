@@ -24,6 +24,8 @@ def request(prompt, max_new_tokens=8, **kw) -> Request:
 
 
 def scheduler(blocks=4, **kw) -> Scheduler:
+    """``new_token_ratio=0``: admit on the blocks needed now (requests preempt each other as they grow)."""
+    kw.setdefault("new_token_ratio", 0.0)
     return Scheduler(3, max_seq_len=32, has_prefill=True, prefill_chunk=8, kv=KVSpec(blocks, 8, BS, False), **kw)
 
 
@@ -206,7 +208,7 @@ def test_requests_preempted_for_blocks_equal_their_solo_runs(tiny_bundle, determ
     (CUDA's default) a preempted request still gets the ids of the steps queued before."""
     params = [SamplingParams(max_new_tokens=30, temperature=0.8, top_k=40, seed=i) for i in range(6)]
     prompts = [[3 + (7 * i + j) % 200 for j in range(20 + i)] for i in range(6)]
-    load = dict(max_sessions=6, kv_blocks=10, deterministic=deterministic)
+    load = dict(max_sessions=6, kv_blocks=10, deterministic=deterministic, new_token_ratio=0.0)
     with onecopy.Engine.load(tiny_bundle, **load) as engine:
         engine.loop.overlap = overlap
         with engine.lock:  # all six queued before the first step: the same preemptions on every machine
@@ -245,7 +247,7 @@ def test_the_server_counts_preemptions_and_every_request_completes(tiny_bundle):
 
     from onecopy.serve import BackgroundServer, ServerConfig
 
-    with onecopy.Engine.load(tiny_bundle, max_sessions=6, kv_blocks=10) as engine, \
+    with onecopy.Engine.load(tiny_bundle, max_sessions=6, kv_blocks=10, new_token_ratio=0.0) as engine, \
             BackgroundServer(engine, ServerConfig(model_name="tiny")) as server:
         c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
@@ -269,3 +271,18 @@ def test_the_server_counts_preemptions_and_every_request_completes(tiny_bundle):
         assert report.preemptions == stats.preemptions and report.kv_peak_used_blocks == 10
         assert f"{stats.preemptions} ({stats.recomputed_tokens})" in str(report)
 
+
+
+def test_with_a_new_token_ratio_of_one_admission_keeps_every_running_requests_span_free():
+    """The default: a request is admitted only when the running ones can all reach max_new_tokens beside it,
+    so none is preempted (TensorRT-LLM's GUARANTEED_NO_EVICT); its blocks are still taken as it grows."""
+    s = scheduler(new_token_ratio=1.0)
+    a, b = request(range(1, 7)), request(range(11, 17))  # 4 blocks each at max_new_tokens, 4 in all
+    s.add(a), s.add(b)
+    assert s.admit() == [a] and len(s.kv.owned[a.row]) == 2  # b would leave a short of its span
+    ids = iter(range(300, 400))
+    while a.status is not RequestStatus.FINISHED:
+        assert s.admit() == []
+        p = s.schedule()
+        s.update(p, [next(ids) for _ in p.sample])
+    assert s.admit() == [b] and s.stats.preemptions == 0

@@ -29,6 +29,10 @@ class EngineConfig:
       KV blocks of the longest prefix of its prompt. ``kv_blocks``: KV blocks of the paged cache (default:
       every row can reach max_seq_len; on CUDA, the free memory). Rows take blocks as they grow; when none
       is left the newest running request is preempted and resumed later (`runtime.scheduler`).
+      ``new_token_ratio`` (default 1.0): the share of each running request's unwritten ``max_new_tokens``
+      blocks kept free when admitting another (SGLang's name). 1: admitted requests all reach their
+      ``max_new_tokens`` without a preemption (TensorRT-LLM's default, GUARANTEED_NO_EVICT); lower admits
+      more on the bet that requests stop early, preemption paying for a lost bet.
     """
 
     max_sessions: int | None = None
@@ -44,6 +48,7 @@ class EngineConfig:
     prefix_cache: bool = True
     kv_blocks: int | None = None
     token_budget: int | None = None
+    new_token_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "kv_blocks", "prefill_chunk", "token_budget", "max_batch"):
@@ -52,6 +57,8 @@ class EngineConfig:
                 raise InputError(f"{name} must be >= 1, got {value}")
         if self.max_queue is not None and self.max_queue < 0:
             raise InputError(f"max_queue must be >= 0, got {self.max_queue}")
+        if not 0 <= self.new_token_ratio <= 1:
+            raise InputError(f"new_token_ratio must be in [0, 1], got {self.new_token_ratio}")
         if not 0 < self.memory_fraction <= 1:
             raise InputError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.decode_buckets is not None:

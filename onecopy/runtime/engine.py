@@ -190,7 +190,7 @@ class Engine:
         self.scheduler = Scheduler(rows, max_seq_len=m.max_seq_len, has_prefill=self.has_prefill,
                                    prefill_chunk=min(c.prefill_chunk or DEFAULT_PREFILL_CHUNK, self.prefill_bound),
                                    max_queue=c.max_queue, max_batch=c.max_batch, token_budget=c.token_budget, kv=kv,
-                                   replay_in_decode=c.deterministic)
+                                   replay_in_decode=c.deterministic, new_token_ratio=c.new_token_ratio)
         # Overlap step t+1 with step t's ids on CUDA; not with recurrent state: the step queued after a
         # stop id would advance it for good.
         self.loop = EngineLoop(self.scheduler, self.runner, self._lock, on_admitted=self._admitted,

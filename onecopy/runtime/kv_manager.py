@@ -192,12 +192,22 @@ class KVCacheManager:
         cached = min(len(found) * self.block_size, req.feed_len - 1)
         return found[:self.blocks_for(cached)], cached
 
-    def fits(self, req: Request) -> bool:
-        """Whether the blocks a request needs at admission are free or evictable now (and no prompt being
-        prefilled holds more of its prefix than the cache does: then it waits to share that prompt's blocks)."""
+    def to_come(self, req: Request, ratio: float) -> float:
+        """The blocks a request that grows may still take (its span's past those it holds) times ``ratio``."""
+        if not self.grows(req):
+            return 0.0
+        return ratio * max(0, self.blocks_for(self.span(req)) - max(len(self.owned[req.row]) if req.admitted else 0,
+                                                                    self.blocks_for(self.admission_end(req))))
+
+    def fits(self, req: Request, promised: float = 0.0, ratio: float = 0.0) -> bool:
+        """Whether the blocks a request needs at admission are free or evictable now, beside ``promised`` (the
+        blocks running requests may still take, `to_come`) and ``ratio`` of what this one may take after (and
+        no prompt being prefilled holds more of its prefix than the cache does: then it waits to share that
+        prompt's blocks)."""
         end = self.admission_end(req)
+        headroom = self.available - promised - self.to_come(req, ratio)
         if not self._starts_empty(req):
-            return self.cost(req.row, req.start, end) <= self.available
+            return self.cost(req.row, req.start, end) <= headroom
         shared, cached = self._cached_prefix(req, touch=False)
         if self.index is not None and self._prefilling:
             ids = req.feed(0, req.feed_len)
@@ -205,7 +215,7 @@ class KVCacheManager:
                    for p in self._prefilling.get(tuple(ids[:self.block_size]), ())):
                 return False
         need = self.blocks_for(end) - len(shared) + (1 if cached % self.block_size else 0)
-        return need <= self.available - sum(1 for b in shared if self.refs[b] == 0)
+        return need <= headroom - sum(1 for b in shared if self.refs[b] == 0)
 
     def place(self, req: Request) -> None:
         """Give an admitted request its blocks: an empty row starts on the cached prefix of what it reads

@@ -87,7 +87,7 @@ class Scheduler:
 
     def __init__(self, rows: int, *, max_seq_len: int, has_prefill: bool, prefill_chunk: int,
                  max_queue: int | None = None, max_batch: int | None = None, token_budget: int | None = None,
-                 kv: KVSpec | None = None, replay_in_decode: bool = False) -> None:
+                 kv: KVSpec | None = None, replay_in_decode: bool = False, new_token_ratio: float = 1.0) -> None:
         if prefill_chunk < 1:
             raise InputError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if token_budget is not None and token_budget < 1:
@@ -98,7 +98,7 @@ class Scheduler:
             raise InputError(f"max_batch must be >= 1, got {max_batch}")
         self.max_seq_len, self.has_prefill = max_seq_len, has_prefill
         self.prefill_chunk, self.max_queue, self.max_batch = prefill_chunk, max_queue, max_batch
-        self.token_budget, self.replay_in_decode = token_budget, replay_in_decode
+        self.token_budget, self.replay_in_decode, self.new_token_ratio = token_budget, replay_in_decode, new_token_ratio
         self.stats = SchedulerStats()
         self.reclaimer: Reclaimer | None = None
         self.ops = StateOps()  # device work decided and not yet applied (the next plan carries it)
@@ -180,14 +180,14 @@ class Scheduler:
             waiting = list(self._waiting)
         free = self.rows.free_rows
         idle = self.reclaimer is not None and self.reclaimer.idle() > 0
-        blocked = False
+        blocked, promised = False, self._promised()
         for r in waiting:
             if r.cancel_requested:
                 return True
             queued_for_blocks = r.owns_row or r.preemptions > 0
             if queued_for_blocks and blocked:
                 continue
-            if not self._fits(r):
+            if not self._fits(r, promised):
                 if queued_for_blocks and idle:
                     return True
                 blocked = blocked or queued_for_blocks
@@ -196,8 +196,14 @@ class Scheduler:
                 return True
         return False
 
-    def _fits(self, req: Request) -> bool:
-        return self.kv is None or self.kv.fits(req)
+    def _fits(self, req: Request, promised: float) -> bool:
+        return self.kv is None or self.kv.fits(req, promised, self.new_token_ratio)
+
+    def _promised(self) -> float:
+        """The blocks running requests may still take, times ``new_token_ratio`` (kept free at admission)."""
+        if self.kv is None or not self.new_token_ratio:
+            return 0.0
+        return sum(self.kv.to_come(r, self.new_token_ratio) for r in self._running)
 
     def _dequeue(self, req: Request) -> int:
         with self._queue_lock:
@@ -215,13 +221,14 @@ class Scheduler:
             self.finish(req, "cancelled")
         admitted = []
         blocked = False  # the oldest request needing a row waits for KV blocks: later ones must not overtake it
+        promised = self._promised()
         for req in waiting:
             queued_for_blocks = req.owns_row or req.preemptions > 0
             if req.status is not RequestStatus.WAITING or queued_for_blocks and blocked:
                 continue
-            fits = self._fits(req)
+            fits = self._fits(req, promised)
             while not fits and queued_for_blocks and self._reclaim_idle():
-                fits = self._fits(req)  # an idle session's blocks went back
+                fits = self._fits(req, promised)  # an idle session's blocks went back
             if not fits:
                 blocked = blocked or queued_for_blocks
                 continue  # waits for KV blocks (requests end and give theirs back)
@@ -244,6 +251,8 @@ class Scheduler:
                     continue
             self._running.append(req)
             req.status, req.reserve = RequestStatus.PREFILLING, False
+            if self.kv is not None:
+                promised += self.kv.to_come(req, self.new_token_ratio)
             req.position, req.fed = req.start + req.cached, req.cached
             self._starts.append(RequestStart(req.row, req.params, req.feed(0, req.feed_len), req.encode_inputs,
                                              req.seed))

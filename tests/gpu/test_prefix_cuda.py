@@ -89,7 +89,8 @@ def test_preempted_requests_equal_their_solo_runs_on_cuda(paged_bundle):
             t.join(180)
         return out
 
-    with onecopy.Engine.load(paged_bundle, "cuda", max_sessions=6, kv_blocks=40, deterministic=True) as engine:
+    with onecopy.Engine.load(paged_bundle, "cuda", max_sessions=6, kv_blocks=40, deterministic=True,
+                             new_token_ratio=0.0) as engine:  # admitted on the blocks needed now: they preempt
         assert engine.loop.overlap and engine.cuda_graphs
         got = run(engine, range(6))
         assert engine.scheduler.stats.preemptions > 0 and engine.scheduler.kv.usage()["references"] == 0
@@ -99,6 +100,6 @@ def test_preempted_requests_equal_their_solo_runs_on_cuda(paged_bundle):
         assert ids == want_ids
         for k in want_state:
             assert torch.equal(state[k], want_state[k]), k
-    with onecopy.Engine.load(paged_bundle, "cuda", max_sessions=6, kv_blocks=40) as engine:  # batched, prefix cache
+    with onecopy.Engine.load(paged_bundle, "cuda", max_sessions=6, kv_blocks=40, new_token_ratio=0.0) as engine:
         assert all(len(ids) == 40 for ids, _ in run(engine, range(6)))
         assert engine.scheduler.stats.preemptions > 0
