@@ -10,9 +10,10 @@ publishes are evicted least recently used when blocks run out. Every decision th
 memory is queued as a state operation (`plan.StateOps`) for the model runner to apply.
 Blocks are the capacity, not rows. A request that starts on an empty row (`grows`) is admitted with
 the blocks of its prompt and its first new position, and takes one more block each time it crosses
-into one (the scheduler preempts the newest such request when none is left: it can be recomputed
-from its ids). A request that continues a session's state reserves every block it may write at
-admission: what its row held before cannot be recomputed.
+into one (the scheduler preempts the latest such request when none is left: it can be recomputed
+from its ids). Admission leaves free the share ``new_token_ratio`` of the blocks running requests may
+still take (`to_come`; `fits`). A request that continues a session's state reserves every block it may
+write at admission: what its row held before cannot be recomputed.
 """
 
 from __future__ import annotations

@@ -18,14 +18,16 @@ lock):
 4. `update` takes the step's sampled ids: each goes to its request, and requests that stop (eos,
    stop ids, max_new_tokens, max_seq_len) finish.
 With paged KV, blocks are the capacity: a request on an empty row is admitted with the blocks of its
-prompt and takes one more as its row crosses into it (`kv_manager.KVCacheManager.grows`). When a
-decoding row needs a block and none is free or evictable, the newest running request that grows is
-preempted (`preempt`): its row is emptied (it keeps the row, and its blocks stay in the prefix cache
-while they last) and it goes back to the head of the queue. Admitted again, its row reads its prompt
-and the ids it already streamed (prefilled; in a deterministic engine the streamed ids go through the
-batch-invariant decode one per step, as they first did, so the row's bits are those of a run never
-preempted) and it samples on with the same seed: its stream has no gap, and no request fails for lack
-of blocks.
+prompt and takes one more as its row crosses into it (`kv_manager.KVCacheManager.grows`); admission keeps
+``new_token_ratio`` of the running requests' unwritten spans free (1 by default: none needs preempting when
+they run to max_new_tokens). When a decoding row needs a block and none is free or evictable, idle
+sessions the reclaimer holds are closed, then the latest running request that grows is preempted
+(`preempt`; one with an id in flight is drained for a step first): its row is emptied (it keeps the row,
+and its blocks stay in the prefix cache while they last) and it goes back to the head of the queue.
+Admitted again, its row reads its prompt and the ids it already streamed (prefilled; in a deterministic
+engine the streamed ids go through the batch-invariant decode one per step, as they first did, so the
+row's bits are those of a run never preempted) and it samples on with the same seed: its stream has no
+gap, and no request fails for lack of blocks.
 Finishing is the scheduler's too: the request's row is rewound to what it really holds, its blocks
 published and trimmed, and a row the request took is given back unless it is kept. Finished requests
 (also cancelled or failed ones) are handed out by `take_finished`, for their streams to end.
