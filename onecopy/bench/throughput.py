@@ -85,6 +85,8 @@ def reference_gpu(device_name: str) -> str | None:
 def bench_throughput(engine: Any, points: list[tuple[int, int]], requests: int, *, command: str,
                      out: Path | None = None, png: Path | None = None) -> dict[str, Any]:
     """Every point in turn on one engine; the JSON (written to ``out``) and a bar chart (``png``)."""
+    import json
+
     import torch
 
     device = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu"
@@ -101,8 +103,6 @@ def bench_throughput(engine: Any, points: list[tuple[int, int]], requests: int, 
         res["points"].append(row)
         print(f"point {i}/{o}: {row['output_tok_s']:,.1f} tok/s", flush=True)
         if out is not None:  # after every point: a long run cut short keeps the points it measured
-            import json
-
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(res, indent=1))
     if png is not None:

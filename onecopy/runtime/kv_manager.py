@@ -179,15 +179,10 @@ class KVCacheManager:
                 f"the whole KV cache has {self.blocks} blocks; ask for fewer max_new_tokens or a shorter prompt, or "
                 "load the engine with more kv_blocks")
 
-    @staticmethod
-    def _starts_empty(req: Request) -> bool:
-        """Whether an admitted request's row holds nothing yet: a row of its own, or emptied by a preemption."""
-        return req.owns_row or req.preemptions > 0
-
     def _cached_prefix(self, req: Request, touch: bool) -> tuple[list[int], int]:
         """The cached blocks what a fresh request reads starts with and the ids it takes from them (at least
         one id is left to prefill: its logits are the next sample)."""
-        if self.index is None or not self._starts_empty(req):
+        if self.index is None or not req.starts_empty:
             return [], 0
         found = self.lookup(req.feed(0, req.feed_len), touch)
         cached = min(len(found) * self.block_size, req.feed_len - 1)
@@ -207,13 +202,13 @@ class KVCacheManager:
         prompt's blocks)."""
         end = self.admission_end(req)
         headroom = self.available - promised - self.to_come(req, ratio)
-        if not self._starts_empty(req):
+        if not req.starts_empty:
             return self.cost(req.row, req.start, end) <= headroom
         shared, cached = self._cached_prefix(req, touch=False)
         if self.index is not None and self._prefilling:
             ids = req.feed(0, req.feed_len)
             if any(common_blocks(p.feed(0, p.feed_len), ids, self.block_size) > len(shared)
-                   for p in self._prefilling.get(tuple(ids[:self.block_size]), ())):
+                   for p in self._prefilling.get(self._prefilling_key(req), ())):
                 return False
         need = self.blocks_for(end) - len(shared) + (1 if cached % self.block_size else 0)
         return need <= headroom - sum(1 for b in shared if self.refs[b] == 0)
@@ -221,11 +216,12 @@ class KVCacheManager:
     def place(self, req: Request) -> None:
         """Give an admitted request its blocks: an empty row starts on the cached prefix of what it reads
         (sets ``req.cached``), then the positions up to `admission_end` are made its own."""
-        if self._starts_empty(req):
+        if req.starts_empty:
             shared, req.cached = self._cached_prefix(req, touch=True)
             self.share(req.row, shared)
-            if self.index is not None and req.feed_len >= self.block_size:
-                self._prefilling.setdefault(self._first_block(req), []).append(req)
+            key = self._prefilling_key(req)
+            if self.index is not None and key is not None:
+                self._prefilling.setdefault(key, []).append(req)
         self.prepare(req.row, req.start + req.cached, self.admission_end(req))
 
     def prefilled(self, req: Request) -> None:
@@ -264,16 +260,18 @@ class KVCacheManager:
         return sorted(self._free)
 
     # -- internals -----------------------------------------------------------------------------------
-    def _first_block(self, req: Request) -> tuple[int, ...]:
-        return tuple(req.feed(0, self.block_size))
+    def _prefilling_key(self, req: Request) -> tuple[int, ...] | None:
+        """The ids of the first block a request reads (None: shorter than a block, it can share none)."""
+        return tuple(req.feed(0, self.block_size)) if req.feed_len >= self.block_size else None
 
     def _untrack(self, req: Request) -> None:
         """``req`` leaves the prompts being prefilled (if it was one)."""
-        same = self._prefilling.get(self._first_block(req)) if req.feed_len >= self.block_size else None
+        key = self._prefilling_key(req)
+        same = self._prefilling.get(key)
         if same is not None and req in same:
             same.remove(req)
             if not same:
-                del self._prefilling[self._first_block(req)]
+                del self._prefilling[key]
 
     def _take(self) -> int:
         if not self._free:

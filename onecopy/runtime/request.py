@@ -71,6 +71,12 @@ class Request:
         return self.owns_row and self.lease is None
 
     @property
+    def starts_empty(self) -> bool:
+        """Whether its row holds nothing when it is admitted: a row of its own, or one a preemption emptied
+        (such a request waits in line for KV blocks, and may start on cached prefix blocks)."""
+        return self.owns_row or self.preemptions > 0
+
+    @property
     def feed_len(self) -> int:
         """Ids the row reads before the next sample: the prompt and, after a preemption, the ids resumed."""
         return len(self.prompt) + self.resumed

@@ -186,13 +186,12 @@ class Scheduler:
         for r in waiting:
             if r.cancel_requested:
                 return True
-            queued_for_blocks = r.owns_row or r.preemptions > 0
-            if queued_for_blocks and blocked:
+            if r.starts_empty and blocked:
                 continue
             if not self._fits(r, promised):
-                if queued_for_blocks and idle:
+                if r.starts_empty and idle:
                     return True
-                blocked = blocked or queued_for_blocks
+                blocked = blocked or r.starts_empty
                 continue
             if not r.needs_row or free > 0 or idle:
                 return True
@@ -223,16 +222,15 @@ class Scheduler:
             self.finish(req, "cancelled")
         admitted = []
         blocked = False  # the oldest request needing a row waits for KV blocks: later ones must not overtake it
-        promised = self._promised()
+        promised = self._promised() if waiting else 0.0  # O(running): not on a step with nothing to admit
         for req in waiting:
-            queued_for_blocks = req.owns_row or req.preemptions > 0
-            if req.status is not RequestStatus.WAITING or queued_for_blocks and blocked:
+            if req.status is not RequestStatus.WAITING or req.starts_empty and blocked:
                 continue
             fits = self._fits(req, promised)
-            while not fits and queued_for_blocks and self._reclaim_idle():
+            while not fits and req.starts_empty and self._reclaim_idle():
                 fits = self._fits(req, promised)  # an idle session's blocks went back
             if not fits:
-                blocked = blocked or queued_for_blocks
+                blocked = blocked or req.starts_empty
                 continue  # waits for KV blocks (requests end and give theirs back)
             at = self._dequeue(req)  # out of the queue before a row changes hands (see `backlog`)
             if req.needs_row:
@@ -290,7 +288,8 @@ class Scheduler:
             plan.decode_positions.append(r.position)
             if r.reading_prompt:
                 plan.fed.append((r.row, r.feed(r.fed, r.fed + 1)[0]))
-                self.stats.recomputed_tokens += r.preemptions > 0
+                if r.preemptions:
+                    self.stats.recomputed_tokens += 1
             # Sampled: every step row but those with more prompt to feed after this token.
             if not r.reading_prompt or r.fed + 1 == r.feed_len:
                 plan.sample.append((r, i))
@@ -346,7 +345,9 @@ class Scheduler:
                         "onecopy's block accounting, please report it"))
                     break
                 if victim is None or victim.launched > victim.generated:
-                    held.update((r, victim) if victim is not None else (r,))
+                    held.add(r)
+                    if victim is not None:
+                        held.add(victim)
                     break
                 self.preempt(victim)
                 if victim is r:
