@@ -15,6 +15,10 @@ def test_engine_load_arguments(tiny_bundle):
         onecopy.Engine.load(tiny_bundle, "cpu", cuda_graphs=True)
     with pytest.raises(onecopy.InputError, match="max_sessions must be >= 1, got 0"):
         onecopy.Engine.load(tiny_bundle, max_sessions=0)
+    with pytest.raises(onecopy.InputError, match=r"new_token_ratio must be in \[0, 1\], got 1.5"):
+        onecopy.Engine.load(tiny_bundle, new_token_ratio=1.5)
+    r = run_cli("bench", "throughput", "--bundle", str(tiny_bundle), "--new-token-ratio", "-0.5", "--requests", "1")
+    assert r.returncode == 2 and "new_token_ratio must be in [0, 1], got -0.5" in r.stderr
     if not torch.cuda.is_available():
         with pytest.raises(onecopy.InputError, match="no CUDA GPU is visible; load with device='cpu'"):
             onecopy.Engine.load(tiny_bundle, "cuda")
