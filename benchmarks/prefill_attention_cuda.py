@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from onecopy import kernels  # noqa: E402
-from onecopy.models.attention import chunk_attention, read_row  # noqa: E402
+from onecopy.models.attention import chunk_attention, read_rows  # noqa: E402
 
 TILES = {
     128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3),
@@ -73,11 +73,12 @@ def main() -> None:
             pos = torch.arange(start, start + t, device="cuda")
             ctx = torch.arange(start + t, device="cuda")
             flops = 4 * d * hq * sum(range(start + 1, start + t + 1))
-            ref = chunk_attention(q.transpose(0, 1)[None], read_row(kp, rows, start + t), read_row(vp, rows, start + t),
-                                  pos, ctx)[0].transpose(0, 1)
+            ref = chunk_attention(q.transpose(0, 1)[None], read_rows(kp, rows, start + t),
+                                  read_rows(vp, rows, start + t), pos[None], ctx)[0].transpose(0, 1)
             row = {"head_dim": d, "q_heads": hq, "kv_heads": hkv, "chunk": name, "tokens": t, "start": start}
             row["row_copy_masked_ms"] = round(timed(lambda: chunk_attention(
-                q.transpose(0, 1)[None], read_row(kp, rows, start + t), read_row(vp, rows, start + t), pos, ctx)), 4)
+                q.transpose(0, 1)[None], read_rows(kp, rows, start + t), read_rows(vp, rows, start + t), pos[None],
+                ctx)), 4)
             if start == 0:
                 kf, vf = kp[1, :, :t][None].contiguous(), vp[1, :, :t][None].contiguous()
                 qf = q.transpose(0, 1)[None].contiguous()

@@ -106,7 +106,8 @@ class InputSpec:
 
 # What a method does for a session, so the runtime knows how to drive it:
 #   decode:  (tokens[B, 1], input_pos[B], rows[B]) one token for each of B sessions (batched, graph-captured)
-#   prefill: (tokens[1, T], input_pos[T], rows[1]) a chunk of one session's prompt
+#   prefill: (tokens[1, T], input_pos[T], rows[1]) a chunk of one session's prompt, or
+#            (tokens[N, T], input_pos[N, T], ..., rows[N]) equal-length chunks of N sessions' prompts
 #   encode:  (inputs..., rows[1]) fills one session's state from an input (e.g. audio features)
 ROLES = ("decode", "prefill", "encode")
 

@@ -176,7 +176,8 @@ def _cmd_bench_throughput(a: argparse.Namespace) -> int:
     bundle = Path(a.bundle) if a.bundle else default_bundle(a.device, model=a.source or EMBEDDED_DEFAULT)
     with Engine.load(bundle, a.device, engine_config(a)) as engine:
         res = bench_throughput(engine, points, a.requests, command="onecopy " + " ".join(sys.argv[1:]),
-                               out=Path(a.out) if a.out else None, png=Path(a.png) if a.png else None)
+                               out=Path(a.out) if a.out else None, png=Path(a.png) if a.png else None,
+                               prefill=a.prefill)
     print_table(res)
     return 0
 
@@ -404,6 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--points", default=None, help="INPUT/OUTPUT token counts, comma-separated (default: TensorRT-LLM's "
                                                    "128/128,1000/1000,2048/2048)")
     bt.add_argument("--requests", type=int, default=1024, help="requests submitted at once per point (default 1024)")
+    bt.add_argument("--prefill", default="batched", choices=["batched", "per-chunk", "both"],
+                    help="prefill calls: equal-length chunks of several prompts in one call (default), one call per "
+                         "chunk (the baseline), or both, each point measured per chunk first")
     add_engine_options(bt, max_queue=None)
     bt.add_argument("--out", help="write the JSON here (e.g. benchmarks/results/throughput_h100.json)")
     bt.add_argument("--png", help="write the bar chart here")

@@ -4,7 +4,10 @@ For each input/output point, N requests of random token ids (fixed input length,
 no stop ids) are submitted to the engine at once; the engine's rows take them as they free. Reported per point:
 output tok/s (all generated tokens over the wall time from the first submit to the last token, prefill
 included: TensorRT-LLM's "output throughput per GPU"), requests/s, time to first token and inter-token
-latency p50/p99, the mean decode batch, the rows and KV blocks the engine has. TensorRT-LLM's published
+latency p50/p99, the mean decode batch, the rows and KV blocks the engine has, and the device time of the
+prefill calls and decode steps (`runtime.phase_times`): what the rest of the wall time is the host's.
+``prefill="both"`` measures each point twice on one engine, first with one prefill call per prompt chunk
+(the baseline) and then with equal-length chunks batched into one call (the default). TensorRT-LLM's published
 Llama-3.1-8B FP8 figures (v1.0 performance overview: output tok/s per GPU, all requests at once) are kept
 beside a CUDA run on an H100 or H200 with the ratio; they are a published table, not a run on this machine.
 """
@@ -40,8 +43,13 @@ def parse_points(text: str) -> list[tuple[int, int]]:
     return points
 
 
+PREFILL_MODES = ("batched", "per-chunk", "both")
+
+
 def run_point(engine: Any, input_len: int, output_len: int, requests: int, seed: int = 0) -> dict[str, Any]:
     """N requests of ``input_len`` random ids, ``output_len`` new tokens each, submitted at once."""
+    from ..runtime.phase_times import PhaseTimes
+
     if input_len + output_len > engine.max_seq_len:
         raise InputError(f"point {input_len}/{output_len} needs {input_len + output_len} positions and the bundle holds "
                          f"{engine.max_seq_len}; export with a larger --max-seq-len or drop the point")
@@ -53,11 +61,13 @@ def run_point(engine: Any, input_len: int, output_len: int, requests: int, seed:
     if kv is not None:
         kv.reset_peak()
     params = SamplingParams(max_new_tokens=output_len)
+    engine.runner.times = times = PhaseTimes(engine.device)
     t0 = time.perf_counter()
     streams = [engine.submit(p, params, chat=False, stop_ids=[]) for p in prompts]
     for s in streams:
         s.result()
     wall = max(s.token_times[-1] for s in streams) - t0
+    engine.runner.times = None
     tokens = sum(len(s.ids) for s in streams)
     ttft = [s.time_to_first_token for s in streams]
     itl = [b - a for s in streams for a, b in zip(s.token_times, s.token_times[1:])]
@@ -74,7 +84,8 @@ def run_point(engine: Any, input_len: int, output_len: int, requests: int, seed:
             "mean_decode_batch": round((stats.decode_rows - rows0) / steps, 1) if steps else None,
             "rows": engine.max_sessions, "rows_used_max": stats.peak_running,
             "kv_blocks": kv.blocks if kv is not None else None, "kv_blocks_used_max": kv.peak_used if kv is not None else None,
-            "preemptions": stats.preemptions - pre0, "recomputed_tokens": stats.recomputed_tokens - recomputed0}
+            "preemptions": stats.preemptions - pre0, "recomputed_tokens": stats.recomputed_tokens - recomputed0,
+            "prefill": "batched" if engine.runner.batched_prefill else "per-chunk", "device_time": times.totals()}
 
 
 def reference_gpu(device_name: str) -> str | None:
@@ -83,8 +94,9 @@ def reference_gpu(device_name: str) -> str | None:
 
 
 def bench_throughput(engine: Any, points: list[tuple[int, int]], requests: int, *, command: str,
-                     out: Path | None = None, png: Path | None = None) -> dict[str, Any]:
-    """Every point in turn on one engine; the JSON (written to ``out``) and a bar chart (``png``)."""
+                     out: Path | None = None, png: Path | None = None, prefill: str = "batched") -> dict[str, Any]:
+    """Every point in turn on one engine; the JSON (written to ``out``) and a bar chart (``png``).
+    ``prefill``: one of `PREFILL_MODES` (batched chunks where the bundle's prefill takes them)."""
     import json
 
     import torch
@@ -95,13 +107,19 @@ def bench_throughput(engine: Any, points: list[tuple[int, int]], requests: int, 
                            "requests": requests, "rows": engine.max_sessions, "pool_sizing": engine.pool_sizing,
                            "reference": ("TensorRT-LLM v1.0 published, Llama-3.1-8B FP8, output tok/s per GPU, "
                                          f"{gpu}" if gpu else None), "points": []}
-    for i, o in points:
+    if prefill not in PREFILL_MODES:
+        raise InputError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {prefill!r}")
+    batched = engine.runner.batched_prefill  # False where the bundle's prefill takes one chunk, or deterministic
+    modes = {"batched": [batched], "per-chunk": [False], "both": [False, batched] if batched else [False]}[prefill]
+    for (i, o), batch in ((p, m) for p in points for m in modes):
+        engine.runner.batched_prefill = batch  # the runner reads it every step; the engine is idle here
         row = run_point(engine, i, o, requests)
         ref = TRTLLM_LLAMA31_8B_FP8[gpu].get((i, o)) if gpu else None
         row["trtllm_tok_s"] = ref
         row["vs_trtllm"] = round(row["output_tok_s"] / ref, 2) if ref else None
         res["points"].append(row)
-        print(f"point {i}/{o}: {row['output_tok_s']:,.1f} tok/s", flush=True)
+        print(f"point {i}/{o} ({row['prefill']} prefill): {row['output_tok_s']:,.1f} tok/s, device time "
+              f"{row['device_time']}", flush=True)
         if out is not None:  # after every point: a long run cut short keeps the points it measured
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(res, indent=1))
@@ -117,7 +135,8 @@ def plot(res: dict[str, Any], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{p['input_len']}/{p['output_len']}" for p in res["points"]]
+    labels = [f"{p['input_len']}/{p['output_len']}" + ("\n(per chunk)" if p["prefill"] == "per-chunk" else "")
+              for p in res["points"]]
     xs = range(len(labels))
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.bar([x - 0.2 for x in xs], [p["output_tok_s"] for p in res["points"]], 0.4, label="onecopy")
@@ -138,9 +157,16 @@ def plot(res: dict[str, Any], png: Path) -> None:
 def print_table(res: dict[str, Any]) -> None:
     print(f"{res['requests']} requests at once on {res['device']} ({res['rows']} rows; {res['pool_sizing']})")
     print(f"{'in/out':>11} {'tok/s':>9} {'req/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
-          f"{'batch':>6} {'rows':>5} {'blocks':>7} {'preempt':>7} {'TRT-LLM':>8} {'x':>5}")
+          f"{'batch':>6} {'rows':>5} {'blocks':>7} {'preempt':>7} {'prefill':>9} {'pf s':>6} {'dec s':>6} "
+          f"{'TRT-LLM':>8} {'x':>5}")
     for p in res["points"]:
         print(f"{p['input_len']:>5}/{p['output_len']:<5} {p['output_tok_s']:>9,.1f} {p['requests_per_s']:>7.2f} "
               f"{p['ttft_ms']['p50']:>9} {p['ttft_ms']['p99']:>9} {p['itl_ms']['p50']:>8} {p['itl_ms']['p99']:>8} "
               f"{p['mean_decode_batch'] or '-':>6} {p['rows_used_max']:>5} {p['kv_blocks_used_max'] or '-':>7} "
-              f"{p['preemptions']:>7} {p['trtllm_tok_s'] or '-':>8} {p['vs_trtllm'] or '-':>5}")
+              f"{p['preemptions']:>7} {p['prefill']:>9} {phase_seconds(p, 'prefill'):>6} "
+              f"{phase_seconds(p, 'decode'):>6} {p['trtllm_tok_s'] or '-':>8} {p['vs_trtllm'] or '-':>5}")
+
+
+def phase_seconds(point: dict[str, Any], phase: str) -> str:
+    t = point["device_time"].get(phase)
+    return f"{t['seconds']:.1f}" if t else "-"

@@ -60,9 +60,11 @@ def _define_ops() -> None:
     @triton_op("onecopy::prefill_attention", mutates_args=())
     def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
                           positions: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq, D] at increasing ``positions`` [T] against row rows[0] of the pools, causal; -> [T, Hq, D]."""
+        """q [T, Hq, D] at increasing ``positions`` [T] against row rows[0] of the pools, causal; -> [T, Hq, D].
+        Batched: q [B, T, Hq, D] at ``positions`` [B, T], chunk b against row rows[b]; -> [B, T, Hq, D]."""
         if q.stride(-1) != 1:
             q = q.contiguous()
+        positions = positions.contiguous()
         return launch_prefill(q, k_pool, v_pool, rows, positions, prefill_tiles(q.shape[-1]))
 
     # Paged KV cache: pools [NB, Hkv, BS, D] of NB pages of BS positions (BS a power of two >= 16), and a
@@ -90,9 +92,10 @@ def _define_ops() -> None:
     def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
                                 rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """`prefill_attention` over pages: q [T, Hq, D] at increasing ``positions`` [T] against table row
-        rows[0], causal; -> [T, Hq, D]."""
+        rows[0], causal; -> [T, Hq, D] (batched as `prefill_attention`)."""
         if q.stride(-1) != 1:
             q = q.contiguous()
+        positions = positions.contiguous()
         table = table if table.stride(-1) == 1 else table.contiguous()
         return launch_prefill_paged(q, k_pool, v_pool, table, rows, positions, prefill_tiles(q.shape[-1]))
 
@@ -126,6 +129,7 @@ def _define_ops() -> None:
         """`paged_prefill_attention` over an 8-bit cache, each value times its position's scale as read."""
         if q.stride(-1) != 1:
             q = q.contiguous()
+        positions = positions.contiguous()
         table = table if table.stride(-1) == 1 else table.contiguous()
         return launch_prefill_paged(q, k_pool, v_pool, table, rows, positions, prefill_tiles(q.shape[-1]),
                                     (k_scale, v_scale))

@@ -5,7 +5,8 @@ a query block's last position are never visited, so a fresh prompt costs half a 
 On CPU the exported methods use `attention.chunk_attention` instead. `paged_prefill_attention`
 (`launch_prefill_paged`) reads a paged cache (pages of BS positions, a block table row per session)
 through the same kernel, the bits unchanged. The ops are defined in `ops`;
-the tiles per head size are `tiles.PREFILL_TILES`.
+the tiles per head size are `tiles.PREFILL_TILES`. A batched prefill (equal-length chunks of several
+sessions) is one launch with the chunks along the grid's third dimension.
 """
 
 from __future__ import annotations
@@ -27,14 +28,18 @@ def _prefill_kernel():
                        stride_ot, stride_oh, TABLE, stride_t,
                        G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        QK_SCALE: tl.constexpr, PAGED: tl.constexpr, BS: tl.constexpr, KS, VS, stride_sp, stride_sh,
-                       QUANT: tl.constexpr):
+                       QUANT: tl.constexpr, stride_qb, stride_pb, stride_ob):
         # QUANT: an 8-bit paged cache (models.kv_quant), a float32 scale per position and head in KS/VS
         # [NB, Hkv, BS]; values convert exactly to q's dtype, the K scale multiplies the scores and the V
         # scale the probabilities (those times V in bf16 whatever q's dtype: scaled, fp16 probabilities
         # underflow). QUANT False compiles to the code from before 8-bit caches.
         mb = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last) query blocks start first
         h = tl.program_id(1)
-        row = tl.load(ROWS)
+        b = tl.program_id(2)  # a batched prefill: chunk b of equal-length chunks, each on its own row
+        row = tl.load(ROWS + b)
+        Q += b * stride_qb
+        POS += b * stride_pb
+        OUT += b * stride_ob
         offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
         mmask = offs_m < T
         pos = tl.load(POS + offs_m, mask=mmask, other=0)
@@ -125,7 +130,10 @@ def launch_prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, 
                    positions: torch.Tensor, tiles: tuple[int, int, int, int]) -> torch.Tensor:
     """One launch of the prefill kernel with the given (BLOCK_M, BLOCK_N, warps, stages): what the op
     runs with `prefill_tiles`, and what benchmarks/prefill_attention_cuda.py times with other tiles.
-    Traceable inside the op (wrap_triton); a plain launch outside it."""
+    q [T, Hq, D] at ``positions`` [T] against row rows[0]; or a batched prefill's q [B, T, Hq, D] at
+    ``positions`` [B, T] (unit stride along T), chunk b against row rows[b], each chunk's bits those of its
+    launch alone (a program reads one chunk's queries and one row). Traceable inside the op (wrap_triton);
+    a plain launch outside it."""
     return _launch(q, k_pool, v_pool, None, rows, positions, tiles)
 
 
@@ -144,18 +152,21 @@ def _launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: 
             scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     from torch.library import wrap_triton
 
-    t, hq, d = q.shape
+    batch = q.shape[0] if q.dim() == 4 else 1  # q [B, T, Hq, D] (positions [B, T]) or one chunk's [T, Hq, D]
+    t, hq, d = q.shape[-3:]
     block_m, block_n, warps, stages = tiles
     out = torch.empty_like(q)
     tab = table if table is not None else rows  # a placeholder the non-paged kernel never reads
     assert scales is None or table is not None, "an 8-bit KV cache is paged"
     ks, vs = scales if scales is not None else (q, q)  # placeholders too
-    wrap_triton(_prefill_kernel())[((t + block_m - 1) // block_m, hq)](
+    wrap_triton(_prefill_kernel())[((t + block_m - 1) // block_m, hq, batch)](
         q, k_pool, v_pool, rows, positions, out, t,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), out.stride(0), out.stride(1), tab, tab.stride(0),
+        q.stride(-3), q.stride(-2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), out.stride(-3), out.stride(-2), tab, tab.stride(0),
         G=hq // k_pool.shape[1], D=d, BLOCK_M=block_m, BLOCK_N=block_n, QK_SCALE=d ** -0.5 * 1.4426950408889634,
         PAGED=table is not None, BS=k_pool.shape[2] if table is not None else 1,
         KS=ks, VS=vs, stride_sp=ks.stride(0) if scales else 0, stride_sh=ks.stride(1) if scales else 0,
-        QUANT=scales is not None, num_warps=warps, num_stages=stages)
+        QUANT=scales is not None, stride_qb=q.stride(0) if q.dim() == 4 else 0,
+        stride_pb=positions.stride(0) if q.dim() == 4 else 0, stride_ob=out.stride(0) if q.dim() == 4 else 0,
+        num_warps=warps, num_stages=stages)
     return out

@@ -7,8 +7,9 @@ K/V only into those rows and read them without materialising a per-row copy of t
 - `pooled_attention` (decode: one query per row) is written as mul + sum reductions so that
   Inductor fuses the pool gather into the reduction kernels: no [B, H, S, D] gather is ever
   materialised (checked in tests on the generated code);
-- `prefill_attention` (a prefill chunk of one session): on CUDA a Triton flash-attention kernel
-  reads the row in place, causal by position; elsewhere `read_row` copies the filled prefix for SDPA.
+- `prefill_attention` (prefill chunks, one per session, of equal length): on CUDA a Triton
+  flash-attention kernel reads the rows in place, causal by position; elsewhere `read_rows` copies the
+  filled prefixes for SDPA.
 
 Paged KV (``Step.table`` given): the pools are [NB, H, BS, D], blocks of BS positions, and a session's
 position p lives in block ``table[row, p // BS]`` at offset ``p % BS``. Sessions that share a prompt
@@ -61,8 +62,9 @@ class Step:
 def attend_pooled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
     """Write the new K/V into the step's rows at its positions, then attend; q, k, v, result: [N, T, H, D].
 
-    Decode (T = 1, N sessions): each row's filled prefix, through its new position. Prefill (N = 1):
-    the chunk causally against its row (only the filled prefix when ``step.context`` is given).
+    Decode (T = 1, N sessions): each row's filled prefix, through its new position. Prefill: each of N
+    equal-length chunks (input_pos [N, T]; or one chunk, input_pos [T]) causally against its row (only the
+    filled prefix when ``step.context`` is given).
     """
     if step.table is not None:
         return attend_paged(q, k, v, step, cache)
@@ -71,9 +73,18 @@ def attend_pooled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step,
         write_rows(k_pool, step.rows, step.input_pos, k[:, 0])
         write_rows(v_pool, step.rows, step.input_pos, v[:, 0])
         return pooled_attention(q[:, 0], k_pool, v_pool, step.rows, step.input_pos + 1)[:, None]
-    write_rows(k_pool, step.rows, step.input_pos, k[0])
-    write_rows(v_pool, step.rows, step.input_pos, v[0])
-    return prefill_attention(q[0], k_pool, v_pool, step.rows, step.input_pos, step.context)[None]
+    rows, positions = token_rows(step)
+    write_rows(k_pool, rows, positions, k.flatten(0, 1))
+    write_rows(v_pool, rows, positions, v.flatten(0, 1))
+    if step.input_pos.dim() == 1:  # one chunk (the Qwen3.5 prefill's form)
+        return prefill_attention(q[0], k_pool, v_pool, step.rows, step.input_pos, step.context)[None]
+    return prefill_attention(q, k_pool, v_pool, step.rows, step.input_pos, step.context)
+
+
+def token_rows(step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill step's (row, position) per token, [N T] each, in the order of its flattened tokens."""
+    positions = step.input_pos if step.input_pos.dim() == 2 else step.input_pos[None]
+    return step.rows[:, None].expand(positions.shape).reshape(-1), positions.reshape(-1)
 
 
 def write_rows(pool: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
@@ -81,16 +92,16 @@ def write_rows(pool: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, 
     pool[rows, :, positions] = values
 
 
-def read_row(pool: torch.Tensor, row: torch.Tensor, length: int | None = None) -> torch.Tensor:
-    """Pool row ``row[0]``, [H, S, D] (or its first ``length`` positions), for a prefill chunk's attention.
+def read_rows(pool: torch.Tensor, rows: torch.Tensor, length: int | None = None) -> torch.Tensor:
+    """Pool rows ``rows`` [N], [N, H, S, D] (or their first ``length`` positions), for prefill attention.
 
-    A copy of one row per layer and chunk (small next to the chunk's matmuls). A view through
+    A copy of the rows per layer and call (small next to the chunks' matmuls). A view through
     ``row.item()`` exports on CPU but torch 2.11's AOTI CUDA wrapper emits an undeclared symbol
     for its bound check (measured on the H200).
     """
     if length is not None:
         pool = pool[:, :, :length]
-    return pool.index_select(0, row)[0]
+    return pool.index_select(0, rows)
 
 
 def pooled_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
@@ -128,31 +139,34 @@ def pooled_attention_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
 
 def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
                       positions: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
-    """A chunk's queries (q: [T, Hq, D] at ``positions``) against pool row ``rows[0]``, causal; -> [T, Hq, D].
+    """Chunks' queries (q: [N, T, Hq, D] at ``positions`` [N, T]) against pool rows ``rows`` [N], each
+    causal; -> [N, T, Hq, D]. One chunk: q [T, Hq, D] at positions [T] against rows[0]; -> [T, Hq, D].
 
-    The chunk's own K/V must already be in the row. On CUDA a Triton flash-attention kernel reads the
-    row in place (`kernels.prefill_attention`); elsewhere `chunk_attention` over a copy of the filled
-    prefix (``context``: arange of its length, or the whole row when None).
+    The chunks' own K/V must already be in the rows. On CUDA a Triton flash-attention kernel reads the
+    rows in place (`kernels.prefill_attention`); elsewhere `chunk_attention` over a copy of the filled
+    prefixes (``context``: arange of the longest one's length, or the whole row when None).
     """
     if q.is_cuda and kernels.available():
         return kernels.prefill_attention(q, k_pool, v_pool, rows, positions)
     n_ctx = context.shape[0] if context is not None else None
-    y = chunk_attention(q.transpose(0, 1)[None], read_row(k_pool, rows, n_ctx), read_row(v_pool, rows, n_ctx),
-                        positions, context)
-    return y[0].transpose(0, 1)
+    one = q.dim() == 3
+    q, positions = (q[None], positions[None]) if one else (q, positions)
+    y = chunk_attention(q.transpose(1, 2), read_rows(k_pool, rows, n_ctx), read_rows(v_pool, rows, n_ctx),
+                        positions, context).transpose(1, 2)
+    return y[0] if one else y
 
 
-def chunk_attention(q: torch.Tensor, k_row: torch.Tensor, v_row: torch.Tensor, positions: torch.Tensor,
+def chunk_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, positions: torch.Tensor,
                     context: torch.Tensor | None = None) -> torch.Tensor:
-    """A chunk's queries (q: [1, Hq, T, D] at ``positions``) against one row's cache [Hkv, S, D], causal.
+    """Chunks' queries (q: [N, Hq, T, D] at ``positions`` [N, T]) against their rows' caches [N, Hkv, S, D],
+    causal; -> [N, Hq, T, D].
 
-    ``context`` (arange of the filled length, when given) equals the keys the row holds: k_row and
-    v_row are then that long, not max_seq_len.
+    ``context`` (arange of the longest filled length, when given) equals the keys the rows hold: k_rows
+    and v_rows are then that long, not max_seq_len. A shorter chunk's keys past its positions are masked.
     """
-    keys = context if context is not None else torch.arange(k_row.shape[1], device=q.device)
-    mask = positions[:, None] >= keys[None, :]
-    return F.scaled_dot_product_attention(q, k_row[None], v_row[None], attn_mask=mask,
-                                          enable_gqa=q.shape[1] != k_row.shape[0])
+    keys = context if context is not None else torch.arange(k_rows.shape[2], device=q.device)
+    mask = positions[:, None, :, None] >= keys  # [N, 1, T, S]
+    return F.scaled_dot_product_attention(q, k_rows, v_rows, attn_mask=mask, enable_gqa=q.shape[1] != k_rows.shape[1])
 
 
 # -- paged KV ----------------------------------------------------------------------------------------
@@ -171,23 +185,27 @@ def attend_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, 
             return kernels.paged_decode_attention(q[:, 0], cache.k, cache.v, table, step.rows, lengths,
                                                   invariant.active())[:, None]
         return paged_attention_torch(q[:, 0], cache, table, step.rows, lengths)[:, None]
-    rows = step.rows.expand(step.input_pos.shape[0])
-    write_paged(cache.k, table, rows, step.input_pos, k[0], cache.k_scale)
-    write_paged(cache.v, table, rows, step.input_pos, v[0], cache.v_scale)
-    if on_cuda and cache.quantized:
-        return kernels.paged_prefill_attention_q8(q[0], cache.k, cache.v, cache.k_scale, cache.v_scale, table,
-                                                  step.rows, step.input_pos)[None]
+    rows, positions = token_rows(step)
+    write_paged(cache.k, table, rows, positions, k.flatten(0, 1), cache.k_scale)
+    write_paged(cache.v, table, rows, positions, v.flatten(0, 1), cache.v_scale)
+    one = step.input_pos.dim() == 1  # one chunk, positions [T] (the Qwen3.5 prefill's form)
     if on_cuda:
-        return kernels.paged_prefill_attention(q[0], cache.k, cache.v, table, step.rows, step.input_pos)[None]
+        qc = q[0] if one else q
+        if cache.quantized:
+            y = kernels.paged_prefill_attention_q8(qc, cache.k, cache.v, cache.k_scale, cache.v_scale, table,
+                                                   step.rows, step.input_pos)
+        else:
+            y = kernels.paged_prefill_attention(qc, cache.k, cache.v, table, step.rows, step.input_pos)
+        return y[None] if one else y
     keys = step.context if step.context is not None else torch.arange(table.shape[1] * cache.k.shape[2], device=q.device)
-    k_row = gather_paged(cache.k, table, step.rows, keys)[0]
-    v_row = gather_paged(cache.v, table, step.rows, keys)[0]
-    if cache.quantized:  # [H, S, D] values times [H, S] scales, in q's dtype for SDPA
-        k_row = kv_quant.dequantize(k_row, gather_paged(cache.k_scale[..., None], table, step.rows, keys)[0, ..., 0])
-        v_row = kv_quant.dequantize(v_row, gather_paged(cache.v_scale[..., None], table, step.rows, keys)[0, ..., 0])
-        k_row, v_row = k_row.to(q.dtype), v_row.to(q.dtype)
-    y = chunk_attention(q[0].transpose(0, 1)[None], k_row, v_row, step.input_pos, step.context)
-    return y[0].transpose(0, 1)[None]
+    k_rows = gather_paged(cache.k, table, step.rows, keys)  # [N, H, S, D]
+    v_rows = gather_paged(cache.v, table, step.rows, keys)
+    if cache.quantized:  # [N, H, S, D] values times [N, H, S] scales, in q's dtype for SDPA
+        k_rows = kv_quant.dequantize(k_rows, gather_paged(cache.k_scale[..., None], table, step.rows, keys)[..., 0])
+        v_rows = kv_quant.dequantize(v_rows, gather_paged(cache.v_scale[..., None], table, step.rows, keys)[..., 0])
+        k_rows, v_rows = k_rows.to(q.dtype), v_rows.to(q.dtype)
+    positions = step.input_pos[None] if one else step.input_pos
+    return chunk_attention(q.transpose(1, 2), k_rows, v_rows, positions, step.context).transpose(1, 2)
 
 
 def write_paged(pool: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,

@@ -93,7 +93,8 @@ def example_table(rows: int, width: int, device: str) -> tuple[tuple, tuple, int
 
 def pooled_methods(specs: dict[str, tuple[list[int], torch.dtype]], max_seq_len: int, device: str,
                    methods: dict[str, tuple[nn.Module, str]], vocab: list[int],
-                   prefill_context: bool = False, kv_block: int | None = None) -> dict[str, MethodDef]:
+                   prefill_context: bool = False, kv_block: int | None = None,
+                   batched_prefill: bool = False) -> dict[str, MethodDef]:
     """MethodDefs for token methods of the two standard roles, every state pool passed to each.
 
     A decode method ``<name>`` (the fastest: the BLAS GEMM on CPU, cuBLAS past a few rows on CUDA); on
@@ -104,7 +105,9 @@ def pooled_methods(specs: dict[str, tuple[list[int], torch.dtype]], max_seq_len:
     ``context`` is arange(L), L = the chunk's last position + 1: its length, a dynamic dim, lets the
     chunk attend to the filled prefix only (the runtime passes a view, no copy).
     ``kv_block``: paged KV: the block table [P, NBMAX] follows rows, and the pools' leading dim counts
-    blocks of ``kv_block`` positions.
+    blocks of ``kv_block`` positions. ``batched_prefill`` (with ``prefill_context``): the prefill takes N
+    equal-length chunks of N sessions at once, prefill(tokens[N, T], input_pos[N, T], context[L], rows[N],
+    *pools) -> logits[N, vocab], L the longest chunk's last position + 1 (one call for many prompts).
     """
     fqns = list(specs)
     pools, pool_dims = example_pools(specs, fqns, device)
@@ -133,7 +136,18 @@ def pooled_methods(specs: dict[str, tuple[list[int], torch.dtype]], max_seq_len:
             args = (torch.zeros(1, 2, **long), torch.arange(2, **long), torch.zeros(1, **long))
             shapes = ({1: t}, {0: t}, {})
             inputs = [InputSpec("tokens", "int64", [1, dyn], vocab), InputSpec("input_pos", "int64", [dyn], positions)]
-            if prefill_context:
+            if batched_prefill:
+                n = torch.export.Dim("chunks", min=1, max=MAX_BATCH)
+                dyn_n = {"min": 1, "max": MAX_BATCH}
+                ctx = torch.export.Dim("context", min=1, max=max_seq_len)
+                # example: two 3-token chunks at positions 1..3 and 2..4 (a 5-long context), rows 0 and 1
+                args = (torch.zeros(EXAMPLE_BATCH, 3, **long), torch.arange(3, **long) + torch.tensor([[1], [2]], **long),
+                        torch.arange(5, **long), torch.arange(EXAMPLE_BATCH, **long))
+                shapes = ({0: n, 1: t}, {0: n, 1: t}, {0: ctx}, {0: n})
+                inputs = [InputSpec("tokens", "int64", [dyn_n, dyn], vocab),
+                          InputSpec("input_pos", "int64", [dyn_n, dyn], positions),
+                          InputSpec("context", "int64", [dyn], positions)]
+            elif prefill_context:
                 ctx = torch.export.Dim("context", min=1, max=max_seq_len)
                 # example: the chunk at positions 2, 3 of a 4-long prefix
                 args = (args[0], torch.arange(2, 4, **long), torch.arange(4, **long), args[2])

@@ -89,11 +89,14 @@ def rope_inv_freq(cfg: Any, dim: int | None = None) -> tuple[torch.Tensor, float
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype,
                  decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin at ``positions`` (angles in fp32, as transformers computes them), in ``dtype``, shaped
-    [B, 1, 1, D] for decode (one position per session) or [1, T, 1, D] for a prefill chunk."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    [B, 1, 1, D] for decode (one position per session), [1, T, 1, D] for a prefill chunk (positions [T])
+    or [N, T, 1, D] for N chunks (positions [N, T])."""
+    freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
-    return tuple(c[:, None, None, :] if decode else c[None, :, None, :] for c in (cos, sin))
+    if decode:
+        return cos[:, None, None, :], sin[:, None, None, :]
+    return tuple(c[..., None, :] if positions.dim() == 2 else c[None, :, None, :] for c in (cos, sin))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

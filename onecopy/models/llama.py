@@ -160,9 +160,10 @@ class Transformer(PooledModel):
     """Llama-family decoder whose KV cache is a state pool passed in by the runtime.
 
     ``decode(tokens[B, 1], input_pos[B], rows[B], *pools) -> logits[B, vocab]``: one token for each
-    of B sessions; ``prefill(tokens[1, T], input_pos[T], context[L], rows[1], *pools) -> logits[1, vocab]``:
-    a chunk of one session's prompt (only the last position's logits: generation needs no others),
-    attending to the L = input_pos[-1] + 1 filled positions of its row only.
+    of B sessions; ``prefill(tokens[N, T], input_pos[N, T], context[L], rows[N], *pools) -> logits[N, vocab]``:
+    a chunk of each of N sessions' prompts, all T long (only each chunk's last position's logits: generation
+    needs no others), chunk n attending to its row's filled positions only (L = the largest last position
+    + 1; keys past a chunk's own positions are masked). One call prefills many prompts.
     ``pools`` are the `state_fqns` tensors in order, each [P, n_kv_heads, max_seq_len + 1, head_dim]; with
     ``kv_block`` (paged KV, the default export) they follow the block table [P, NBMAX] and are each
     [NB, n_kv_heads, kv_block, head_dim] (`attention.attend_paged`). With ``kv_dtype`` (int8 or fp8, paged
@@ -244,13 +245,14 @@ class Transformer(PooledModel):
         return self._run(tokens, Step(rows, input_pos, decode=False, context=context, table=table), pools)
 
     def prefill_inputs(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tokens, input_pos, torch.arange(int(input_pos[-1]) + 1, device=tokens.device)
+        positions = input_pos.view(tokens.shape)  # one chunk's [T] as [1, T]
+        return tokens, positions, torch.arange(int(positions.max()) + 1, device=tokens.device)
 
     def export_methods(self, max_seq_len: int, device: str) -> dict[str, MethodDef]:
-        """decode: B sessions x one token (B dynamic, graph-friendly per batch size); prefill: one
-        session's chunk of 1..max_seq_len tokens. Both take the rows and the state pools."""
+        """decode: B sessions x one token (B dynamic, graph-friendly per batch size); prefill: N sessions'
+        chunks of 1..max_seq_len tokens each. Both take the rows and the state pools."""
         vocab = [0, self.config.vocab_size]
         return pooled_methods(self.state_specs(), max_seq_len, device, {
             "prefill": (as_method(self, Transformer.prefill), "prefill"),
             "decode": (as_method(self, Transformer.decode), "decode"),
-        }, vocab, prefill_context=True, kv_block=self.kv_block)
+        }, vocab, prefill_context=True, kv_block=self.kv_block, batched_prefill=True)

@@ -1,10 +1,12 @@
 """The model runner: the loaded methods, the state pool and KV blocks, the decode step and its graphs,
 the sampler and each row's last token. It executes the scheduler's plans (state operations first) and
-the sessions' direct calls; it makes no decision of its own. Callers hold the engine's lock.
+the sessions' direct calls; it makes no decision of its own beyond running a plan's equal-length prefill
+chunks as one call where the prefill method takes several (`prefill_groups`). Callers hold the engine's lock.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,11 +19,17 @@ from ..sampling import BatchSampler, to_device
 from .block_tensors import BlockTensors
 from .graphs import DecodeGraphs
 from .method import Method
-from .plan import RequestStart, StateOp, StepPlan, ZeroRow
+from .phase_times import PhaseTimes
+from .plan import PrefillChunk, RequestStart, StateOp, StepPlan, ZeroRow
 from .pool import StatePool
 from .step import DecodeStep, default_buckets, runs_one_row_per_call
 from .weights import WeightStore
 from .workspace import Workspace
+
+
+def takes_chunks(method: Method) -> bool:
+    """Whether a prefill method takes chunks of several sessions at once (input_pos [N, T], rows [N])."""
+    return method.role == "prefill" and len(method.spec.inputs[1].shape) == 2
 
 
 class _Ready:
@@ -66,6 +74,11 @@ class ModelRunner:
         self._arange = torch.arange(manifest.max_seq_len, device=device)  # prefill contexts are views of it
         self.sampler = BatchSampler(rows + 1, int(manifest.config["vocab_size"]), device)
         self.step: DecodeStep | None = None
+        prefill = self.role("prefill")
+        # Equal-length chunks of several prompts in one prefill call, where the method takes them; not in
+        # deterministic mode, where a chunk's bits would depend on the chunks beside it (GEMM tiles per size).
+        self.batched_prefill = prefill is not None and takes_chunks(prefill) and not deterministic
+        self.times: PhaseTimes | None = None  # set by benchmarks: device time per phase of the steps
         decode = self.role("decode")
         if decode_buckets is not None and (not decode_buckets or min(decode_buckets) < 1 or max(decode_buckets) > rows):
             raise InputError(f"decode_buckets must be batch sizes in 1..{rows} (the pool's rows), got {list(decode_buckets)}")
@@ -121,11 +134,13 @@ class ModelRunner:
         if name not in self.methods:
             raise InputError(f"bundle has no method {name!r}; it has {', '.join(self.methods)}")
         method = self.methods[name]
+        if takes_chunks(method) and len(inputs) >= 2 and isinstance(inputs[1], torch.Tensor) and inputs[1].dim() == 1:
+            inputs = (inputs[0], inputs[1][None], *inputs[2:])  # one session's positions [T] as its chunk's [1, T]
         if self._takes_context(method) and len(inputs) == 2 and isinstance(inputs[1], torch.Tensor) and inputs[1].numel():
             last = int(inputs[1].max())  # the context a chunk attends to ends at its last position
             inputs = (*inputs, self._arange[:last + 1] if 0 <= last < self.manifest.max_seq_len else torch.arange(last + 1))
         method.check_inputs(inputs)
-        if method.role == "decode" and inputs[0].shape[0] != 1:
+        if method.role in ("decode", "prefill") and inputs[0].dim() == 2 and inputs[0].shape[0] != 1:
             raise InputError(f"{name} on one session takes a batch of 1, got {inputs[0].shape[0]}; "
                              "batches of sessions go through the scheduler")
         return inputs
@@ -148,9 +163,27 @@ class ModelRunner:
         method = self.role("prefill")
         tokens = to_device(torch.tensor([ids], dtype=torch.long), self.device)
         positions = torch.arange(start, start + len(ids), device=self.device)
+        if takes_chunks(method):
+            positions = positions[None]
         context = (self._arange[:start + len(ids)],) if self._takes_context(method) else ()
         with torch.inference_mode():
             return method(tokens, positions, *context, self._rows(row), *self._pools(method))
+
+    def prefill_chunks(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:
+        """Prefill equal-length ``chunks`` of several rows in one call (`batched_prefill`); logits [N, vocab],
+        one row per chunk in order. Tokens, starts and rows reach the device in one copy."""
+        if len(chunks) == 1:
+            return self.prefill(chunks[0].row, chunks[0].start, chunks[0].tokens)
+        method = self.role("prefill")
+        n, t = len(chunks), len(chunks[0].tokens)
+        host = torch.tensor([i for c in chunks for i in c.tokens] + [c.start for c in chunks] + [c.row for c in chunks],
+                            dtype=torch.long)
+        packed = to_device(host, self.device)
+        tokens, starts, rows = packed[:n * t].view(n, t), packed[n * t:n * t + n], packed[n * t + n:]
+        positions = starts[:, None] + self._arange[:t]
+        context = self._arange[:max(c.start for c in chunks) + t]
+        with torch.inference_mode():
+            return method(tokens, positions, context, rows, *self._pools(method))
 
     def decode(self, rows: list[int], positions: list[int], tokens: torch.Tensor | None = None) -> torch.Tensor:
         """One batched decode step (see `step.DecodeStep`): logits [n, vocab]."""
@@ -181,15 +214,19 @@ class ModelRunner:
         for start in plan.starts:
             self.start(start)
         logits: dict[int, torch.Tensor] = {}  # -1 - i: prefill chunk i's, 0: the decode step's
-        for i, p in enumerate(plan.prefills):
-            logits[-1 - i] = self.prefill(p.row, p.start, p.tokens)
+        for group in self.prefill_groups(plan.prefills):
+            with self._phase("prefill"):
+                out = self.prefill_chunks([plan.prefills[i] for i in group])
+            for j, i in enumerate(group):
+                logits[-1 - i] = out[j:j + 1]
         draw = self.sampler.plan(plan.sample_rows, plan.sample_positions, plan.sample_first) if plan.sample else None
         if plan.decode_rows:
             if plan.fed:
                 packed = to_device(torch.tensor([[r for r, _ in plan.fed], [t for _, t in plan.fed]], dtype=torch.long),
                                    self.device)
                 self.step.last_token.index_copy_(0, packed[0], packed[1])
-            logits[0] = self.decode(plan.decode_rows, plan.decode_positions)
+            with self._phase("decode"):
+                logits[0] = self.decode(plan.decode_rows, plan.decode_positions)
         if not plan.sample:
             return Launched(plan, [], None)
         tokens = self.sampler.sample(self._gather(plan, logits), draw)
@@ -204,6 +241,20 @@ class ModelRunner:
         ready = torch.cuda.Event()
         ready.record()
         return Launched(plan, host, ready)
+
+    def _phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return self.times.phase(name) if self.times is not None else contextlib.nullcontext()
+
+    def prefill_groups(self, chunks: Sequence[PrefillChunk]) -> list[list[int]]:
+        """The calls that prefill ``chunks``: with `batched_prefill`, the indices of each length's chunks
+        (in order of first appearance; each chunk touches its own row, so the order between calls is free),
+        else one call per chunk."""
+        if not self.batched_prefill:
+            return [[i] for i in range(len(chunks))]
+        groups: dict[int, list[int]] = {}
+        for i, c in enumerate(chunks):
+            groups.setdefault(len(c.tokens), []).append(i)
+        return list(groups.values())
 
     def _gather(self, plan: StepPlan, logits: dict[int, torch.Tensor]) -> torch.Tensor:
         """The logits rows to sample, [n, vocab], in the plan's sample order (usually the decode output as is)."""

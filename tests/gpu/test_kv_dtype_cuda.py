@@ -209,3 +209,40 @@ def test_q8_deterministic_concurrent_sessions_equal_solo(q8_bundle):
         streams = {k: engine.submit(p, sp, stop_ids=[]) for k, (p, sp) in REQUESTS.items()}
         for k, stream in streams.items():
             assert stream.result(timeout=120) == solo[k][0], k
+
+
+@pytest.mark.parametrize("kind", ["rows", "paged", "int8"])
+def test_a_batched_prefill_launch_gives_each_chunk_the_bits_of_its_own_launch(kind):
+    """Three equal-length chunks of three rows at different starts (a fresh prompt, chunks after prefixes) in
+    one launch: each chunk's output is bit for bit its launch alone, for the row, paged and 8-bit paged kernels."""
+    from onecopy import kernels
+
+    from .test_cuda import _paged
+
+    torch.manual_seed(0)
+    p, hq, hkv, d, s, bs, t = 5, 32, 8, 128, 2048, 16, 200
+    kp = torch.randn(p, hkv, s, d, device="cuda", dtype=torch.bfloat16)
+    vp = torch.randn_like(kp)
+    rows = torch.tensor([4, 0, 2], device="cuda")
+    pos = torch.stack([torch.arange(st, st + t, device="cuda") for st in (0, 640, 1500)])
+    q = torch.randn(3, t, hq, d, device="cuda", dtype=torch.bfloat16)
+    if kind == "rows":
+        def attend(q, r, pos):
+            return kernels.prefill_attention(q, kp, vp, r, pos)
+    elif kind == "paged":
+        kpg, table = _paged(kp, bs)
+        vpg, _ = _paged(vp, bs, table)
+
+        def attend(q, r, pos):
+            return kernels.paged_prefill_attention(q, kpg, vpg, table, r, pos)
+    else:
+        table = torch.randperm(p * s // bs + 3, device="cuda")[:p * s // bs].view(p, s // bs)
+        kq, ks, _ = _quantized_pages(kp, torch.int8, bs, table)
+        vq, vs, _ = _quantized_pages(vp, torch.int8, bs, table)
+
+        def attend(q, r, pos):
+            return kernels.paged_prefill_attention_q8(q, kq, vq, ks, vs, table, r, pos)
+    out = attend(q, rows, pos)
+    assert out.shape == q.shape
+    for i in range(3):
+        assert torch.equal(out[i], attend(q[i], rows[i:i + 1], pos[i])), (kind, i)

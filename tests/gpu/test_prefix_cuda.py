@@ -103,3 +103,34 @@ def test_preempted_requests_equal_their_solo_runs_on_cuda(paged_bundle):
     with onecopy.Engine.load(paged_bundle, "cuda", max_sessions=6, kv_blocks=40, new_token_ratio=0.0) as engine:
         assert all(len(ids) == 40 for ids, _ in run(engine, range(6)))
         assert engine.scheduler.stats.preemptions > 0
+
+
+def test_batched_prefill_gives_the_tokens_of_one_call_per_chunk_on_cuda(paged_bundle, rows_bundle):
+    """Eight prompts queued before the first step with a token budget: the chunks of one length go in one
+    prefill call (tokens [N, T] through the batched kernel) and the requests' tokens are those of one call per
+    chunk (bf16: the GEMMs see more rows, so a near tie may break another way in a sequence or two)."""
+    rng = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 512, (n,), generator=rng).tolist() for n in (300,) * 6 + (150,) * 2]
+    params = onecopy.SamplingParams(max_new_tokens=16, temperature=0)
+    for bundle in (paged_bundle, rows_bundle):
+        runs = {}
+        for batched in (True, False):
+            with onecopy.Engine.load(bundle, "cuda", max_sessions=8, prefill_chunk=256, token_budget=4096,
+                                     prefix_cache=False) as engine:
+                assert engine.runner.batched_prefill
+                engine.runner.batched_prefill = batched
+                sizes = []
+                prefill_chunks = engine.runner.prefill_chunks
+                engine.runner.prefill_chunks = lambda chunks: sizes.append(len(chunks)) or prefill_chunks(chunks)
+                hold = threading.Event()
+                has_work = engine.scheduler.has_work
+                engine.scheduler.has_work = lambda: hold.is_set() and has_work()
+                streams = [engine.submit(p, params, stop_ids=[]) for p in prompts]
+                hold.set()
+                engine.loop.wake()
+                runs[batched] = [s.result(timeout=120) for s in streams], sizes
+        (got, sizes), (want, single) = runs[True], runs[False]
+        # step 1: six 256-token first chunks (one call) and two 150-token prompts (one); step 2: six 44-token rests
+        assert sizes == [6, 2, 6] and single == [1] * 14, (sizes, single)
+        assert [g[0] for g in got] == [w[0] for w in want]
+        assert sum(g == w for g, w in zip(got, want)) >= 6, (got, want)
