@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from ..bundle import TensorSpec
+from ..sampling import to_device
 from .plan import ClearTable, CopyBlock, SetTable, StateOp, ZeroBlocks
 from .pool import carve
 
@@ -33,22 +34,43 @@ class BlockTensors:
     def nbytes(self) -> int:
         return self.buffer.untyped_storage().nbytes() + self.table.untyped_storage().nbytes()
 
-    def apply(self, op: StateOp) -> None:
-        """Carry out one of the KV cache manager's decisions."""
-        if isinstance(op, CopyBlock):  # copy on write: the others keep the original
-            for t in self.tensors.values():
-                t[op.dst].copy_(t[op.src])
-        elif isinstance(op, ZeroBlocks):  # as bytes: index_fill_ has no float8 kernel
-            idx = torch.tensor(op.blocks, device=self.device)
+    def apply(self, ops: Sequence[StateOp]) -> None:
+        """Carry out the KV cache manager's decisions, in effect in order, with a few launches for a step's
+        many: every block zeroed between two copies in one fill per tensor, every table entry set in one
+        write (a block's content ops never read the table, so table writes move freely among them; zeroing
+        only moves within a run without copies, whose sources may be blocks zeroed after them)."""
+        zero: list[int] = []
+        entries: dict[tuple[int, int], int] = {}  # (row, index) -> block: the last decision wins
+        for op in ops:
+            if isinstance(op, ZeroBlocks):
+                zero.extend(op.blocks)
+            elif isinstance(op, SetTable):
+                entries.update(((op.row, op.start + i), b) for i, b in enumerate(op.blocks))
+            elif isinstance(op, CopyBlock):  # copy on write: the others keep the original
+                self._zero(zero)
+                zero = []
+                for t in self.tensors.values():
+                    t[op.dst].copy_(t[op.src])
+            elif isinstance(op, ClearTable):
+                self._set(entries)
+                entries = {}
+                self.table[op.row, op.start:].fill_(self.scratch)
+            else:
+                raise TypeError(f"not a KV block operation: {op!r}")
+        self._zero(zero)
+        self._set(entries)
+
+    def _zero(self, blocks: list[int]) -> None:
+        if blocks:  # as bytes: index_fill_ has no float8 kernel
+            idx = to_device(torch.tensor(blocks, dtype=torch.long), self.device)
             for t in self.tensors.values():
                 t.view(torch.uint8).index_fill_(0, idx, 0)
-        elif isinstance(op, SetTable):
-            self.table[op.row, op.start:op.start + len(op.blocks)].copy_(
-                torch.tensor(op.blocks, dtype=torch.long), non_blocking=True)
-        elif isinstance(op, ClearTable):
-            self.table[op.row, op.start:].fill_(self.scratch)
-        else:
-            raise TypeError(f"not a KV block operation: {op!r}")
+
+    def _set(self, entries: dict[tuple[int, int], int]) -> None:
+        if entries:
+            idx = to_device(torch.tensor([[r for r, _ in entries], [i for _, i in entries], list(entries.values())],
+                                         dtype=torch.long), self.device)
+            self.table[idx[0], idx[1]] = idx[2]
 
     def gather(self, blocks: Sequence[int]) -> dict[str, torch.Tensor]:
         """A row's logical state per FQN from its ``blocks``, [H, width * BS, D]-shaped (positions past its

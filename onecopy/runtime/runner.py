@@ -120,12 +120,15 @@ class ModelRunner:
     # -- state operations -----------------------------------------------------------------------------
     def apply(self, ops: list[StateOp]) -> None:
         """Carry out queued state operations, in order (before anything that reads the state runs)."""
+        blocks = []  # KV block and table operations: applied together (rows and blocks are separate state)
         for op in ops:
             if isinstance(op, ZeroRow):
                 self.pool.zero_row(op.row)
                 self.sampler.release(op.row)
             else:
-                self.blocks.apply(op)
+                blocks.append(op)
+        if blocks:
+            self.blocks.apply(blocks)
 
     # -- one session's calls ------------------------------------------------------------------------
     def checked_inputs(self, name: str, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -176,10 +179,11 @@ class ModelRunner:
             return self.prefill(chunks[0].row, chunks[0].start, chunks[0].tokens)
         method = self.role("prefill")
         n, t = len(chunks), len(chunks[0].tokens)
-        host = torch.tensor([i for c in chunks for i in c.tokens] + [c.start for c in chunks] + [c.row for c in chunks],
+        # rows, starts, tokens: the inputs start at even offsets, 16-byte aligned as the package was compiled for
+        host = torch.tensor([c.row for c in chunks] + [c.start for c in chunks] + [i for c in chunks for i in c.tokens],
                             dtype=torch.long)
         packed = to_device(host, self.device)
-        tokens, starts, rows = packed[:n * t].view(n, t), packed[n * t:n * t + n], packed[n * t + n:]
+        rows, starts, tokens = packed[:n], packed[n:2 * n], packed[2 * n:].view(n, t)
         positions = starts[:, None] + self._arange[:t]
         context = self._arange[:max(c.start for c in chunks) + t]
         with torch.inference_mode():
@@ -229,7 +233,8 @@ class ModelRunner:
                 logits[0] = self.decode(plan.decode_rows, plan.decode_positions)
         if not plan.sample:
             return Launched(plan, [], None)
-        tokens = self.sampler.sample(self._gather(plan, logits), draw)
+        with self._phase("sample"):
+            tokens = self.sampler.sample(self._gather(plan, logits), draw)
         if self.step is not None:  # each sampled row's next decode input, left on the device
             self.step.last_token.index_copy_(0, draw.ints[0], tokens)
         if not overlap:
