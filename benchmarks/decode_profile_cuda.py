@@ -56,9 +56,11 @@ def main() -> None:
         onecopy.export(a.source, bundle, max_seq_len=a.max_seq_len, device="cuda", overwrite=True, progress=False)
     with onecopy.Engine.load(bundle, "cuda", max_sessions=a.sessions) as engine:
         sessions = [engine.open_session() for _ in range(a.sessions)]
-        for s in sessions:  # each row's own blocks (paged KV), as a prefill would have taken them
-            s._writes(a.context + 1)
-            s.position = a.context
+        with engine.lock:  # each row's own blocks (paged KV), as a prefill would have taken them
+            for s in sessions:
+                engine.sessions._prepare(s, 0, a.context + 1)
+                s.position = a.context
+            engine.runner.apply(engine.scheduler.ops.take())
         rows, pos = [s.row for s in sessions], [s.position for s in sessions]
         tok = torch.ones(len(rows), dtype=torch.long, device="cuda")
         step_ms = batched_step_ms(engine, sessions, steps=a.steps, warmup=10)
