@@ -11,7 +11,7 @@ import torch
 
 import onecopy
 from onecopy.runtime.plan import PrefillChunk
-from onecopy.runtime.runner import takes_chunks
+from onecopy.runtime.runner import PREFILL_CALL_TOKENS, takes_chunks
 
 from .bundle_cache import cached_bundle
 from .conftest import TINY_MAX_SEQ_LEN
@@ -91,14 +91,17 @@ def test_a_batched_call_equals_the_eager_model_on_each_chunk(tiny_bundle, tiny_s
     torch.testing.assert_close(out, torch.cat(ref), atol=1e-4, rtol=1e-4)
 
 
-def test_deterministic_mode_and_one_chunk_prefills_keep_a_call_per_chunk(tiny_bundle, det_engine):
+def test_deterministic_mode_keeps_a_call_per_chunk_and_a_call_takes_at_most_8192_tokens(tiny_bundle, det_engine):
     """Deterministic mode: a chunk's bits must not depend on the chunks beside it, so each is its own call.
-    A prefill that takes one chunk (the Qwen3.5 family's) is never batched."""
+    Batched calls group the chunks of one length, at most PREFILL_CALL_TOKENS tokens a call (the activations'
+    memory is bounded whatever the token budget)."""
     assert not det_engine.runner.batched_prefill
     with onecopy.Engine.load(tiny_bundle, max_sessions=2) as engine:
         assert engine.runner.batched_prefill and takes_chunks(engine.method("prefill"))
         chunks = [type("C", (), {"tokens": t})() for t in ([1, 2], [3], [4, 5], [6])]
         assert engine.runner.prefill_groups(chunks) == [[0, 2], [1, 3]]
+        big = [type("C", (), {"tokens": [1] * 3000})() for _ in range(5)]  # 15000 tokens: calls of two chunks (6000)
+        assert PREFILL_CALL_TOKENS == 8192 and engine.runner.prefill_groups(big) == [[0, 1], [2, 3], [4]]
         engine.runner.batched_prefill = False
         assert engine.runner.prefill_groups(chunks) == [[0], [1], [2], [3]]
 

@@ -329,6 +329,7 @@ def test_quantized_moe_packs_the_experts_and_equals_the_eager_quantized_model(q3
     for kept in ("layers.1.mlp.gate", "layers.0.linear_attn.in_proj"):  # the router; DeltaNet's beta / decay inputs
         assert f"{kept}.weight" in m["weights"] and kept not in m["packed"]
     with onecopy.Engine.load(bundle) as engine, torch.no_grad():
+        assert not engine.runner.batched_prefill  # this family's prefill takes one session's chunk (recurrent state)
         s = engine.open_session()
         got, want = s.prefill(PROMPT), model(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)

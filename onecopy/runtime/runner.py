@@ -27,6 +27,11 @@ from .weights import WeightStore
 from .workspace import Workspace
 
 
+# Most prompt tokens one batched prefill call takes: its activations come out of the memory reserve (~80 KB a token
+# for the 8B shape), bounded whatever the token budget.
+PREFILL_CALL_TOKENS = 8192
+
+
 def takes_chunks(method: Method) -> bool:
     """Whether a prefill method takes chunks of several sessions at once (input_pos [N, T], rows [N])."""
     return method.role == "prefill" and len(method.spec.inputs[1].shape) == 2
@@ -253,13 +258,14 @@ class ModelRunner:
     def prefill_groups(self, chunks: Sequence[PrefillChunk]) -> list[list[int]]:
         """The calls that prefill ``chunks``: with `batched_prefill`, the indices of each length's chunks
         (in order of first appearance; each chunk touches its own row, so the order between calls is free),
-        else one call per chunk."""
+        `PREFILL_CALL_TOKENS` tokens a call at most; else one call per chunk."""
         if not self.batched_prefill:
             return [[i] for i in range(len(chunks))]
         groups: dict[int, list[int]] = {}
         for i, c in enumerate(chunks):
             groups.setdefault(len(c.tokens), []).append(i)
-        return list(groups.values())
+        per_call = {t: max(1, PREFILL_CALL_TOKENS // t) for t in groups}  # chunks a call takes
+        return [g[j:j + per_call[t]] for t, g in groups.items() for j in range(0, len(g), per_call[t])]
 
     def _gather(self, plan: StepPlan, logits: dict[int, torch.Tensor]) -> torch.Tensor:
         """The logits rows to sample, [n, vocab], in the plan's sample order (usually the decode output as is)."""
