@@ -161,11 +161,11 @@ def test_a_fault_while_admission_copies_a_shared_block_ends_the_request_and_noth
     copies = []
     real = engine.runner.blocks.apply
 
-    def apply(op):
-        if type(op).__name__ == "CopyBlock":
-            copies.append(op)
+    def apply(ops):  # a step's block operations, applied together
+        copies.extend(op for op in ops if type(op).__name__ == "CopyBlock")
+        if copies:
             raise RuntimeError(AOTI_FAULT)
-        return real(op)
+        return real(ops)
 
     engine.runner.blocks.apply = apply
     stream = engine.submit(prompt, GREEDY)
