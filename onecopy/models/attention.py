@@ -52,10 +52,10 @@ class KVCache:
 class Step:
     """What one method call works on: the pool rows, the positions written, and the kind of call."""
 
-    rows: torch.Tensor  # decode: [B], one per session; prefill: [1]
-    input_pos: torch.Tensor  # decode: [B]; prefill: [T]
+    rows: torch.Tensor  # decode: [B], one per session; prefill: [N], one per chunk (one chunk: [1])
+    input_pos: torch.Tensor  # decode: [B]; prefill: [N, T] (one chunk: [T] too)
     decode: bool
-    context: torch.Tensor | None = None  # prefill, when given: arange(last position + 1)
+    context: torch.Tensor | None = None  # prefill, when given: arange(the largest last position + 1)
     table: torch.Tensor | None = None  # paged KV: the block table [P, NBMAX] (rows index it)
 
 
