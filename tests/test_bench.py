@@ -61,11 +61,18 @@ def test_plot_is_written(tmp_path):
 def test_bench_throughput_runs_every_point_with_all_requests_at_once(tiny_bundle, tmp_path):
     out, png = tmp_path / "t.json", tmp_path / "t.png"
     r = run_cli("bench", "throughput", "--bundle", str(tiny_bundle), "--points", "8/4,16/8", "--requests", "12",
-                "--max-sessions", "4", "--out", str(out), "--png", str(png))
+                "--max-sessions", "4", "--token-budget", "64", "--prefill", "both", "--out", str(out), "--png", str(png))
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
-    assert [(p["input_len"], p["output_len"]) for p in res["points"]] == [(8, 4), (16, 8)]
-    assert [p["output_tokens"] for p in res["points"]] == [12 * 4, 12 * 8]  # every request to its length, no stop id
+    # each point twice: one prefill call per prompt chunk, then equal-length chunks batched (prompts of 8 or 16: one
+    # chunk each), each run with its own prompts
+    assert [(p["input_len"], p["output_len"], p["prefill"]) for p in res["points"]] == \
+        [(8, 4, "per-chunk"), (8, 4, "batched"), (16, 8, "per-chunk"), (16, 8, "batched")]
+    assert [p["output_tokens"] for p in res["points"]] == [12 * 4] * 2 + [12 * 8] * 2  # to its length, no stop id
+    for p in res["points"]:
+        calls = {phase: t["calls"] for phase, t in p["device_time"].items()}
+        assert set(calls) == {"prefill", "decode", "sample"} and all(t["seconds"] >= 0 for t in p["device_time"].values())
+        assert calls["prefill"] == 12 if p["prefill"] == "per-chunk" else calls["prefill"] < 12
     for p in res["points"]:
         assert p["output_tok_s"] > 0 and p["ttft_ms"]["p50"] <= p["ttft_ms"]["p99"] and p["itl_ms"]["p50"] > 0
         assert 1 < p["mean_decode_batch"] <= 4 and p["rows"] == p["rows_used_max"] == 4  # rows taken as they freed

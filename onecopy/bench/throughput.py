@@ -5,7 +5,7 @@ no stop ids) are submitted to the engine at once; the engine's rows take them as
 output tok/s (all generated tokens over the wall time from the first submit to the last token, prefill
 included: TensorRT-LLM's "output throughput per GPU"), requests/s, time to first token and inter-token
 latency p50/p99, the mean decode batch, the rows and KV blocks the engine has, and the device time of the
-prefill calls and decode steps (`runtime.phase_times`): what the rest of the wall time is the host's.
+prefill calls, decode steps and sampling (`runtime.phase_times`): what the rest of the wall time is the host's.
 ``prefill="both"`` measures each point twice on one engine, first with one prefill call per prompt chunk
 (the baseline) and then with equal-length chunks batched into one call (the default). TensorRT-LLM's published
 Llama-3.1-8B FP8 figures (v1.0 performance overview: output tok/s per GPU, all requests at once) are kept
@@ -113,7 +113,10 @@ def bench_throughput(engine: Any, points: list[tuple[int, int]], requests: int, 
     modes = {"batched": [batched], "per-chunk": [False], "both": [False, batched] if batched else [False]}[prefill]
     for run, ((i, o), batch) in enumerate((p, m) for p in points for m in modes):
         engine.runner.batched_prefill = batch  # the runner reads it every step; the engine is idle here
-        row = run_point(engine, i, o, requests, seed=run)  # prompts no earlier run cached
+        try:
+            row = run_point(engine, i, o, requests, seed=run)  # prompts no earlier run cached
+        finally:
+            engine.runner.batched_prefill = batched
         ref = TRTLLM_LLAMA31_8B_FP8[gpu].get((i, o)) if gpu else None
         row["trtllm_tok_s"] = ref
         row["vs_trtllm"] = round(row["output_tok_s"] / ref, 2) if ref else None
