@@ -152,7 +152,8 @@ def _launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: 
             scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     from torch.library import wrap_triton
 
-    batch = q.shape[0] if q.dim() == 4 else 1  # q [B, T, Hq, D] (positions [B, T]) or one chunk's [T, Hq, D]
+    batched = q.dim() == 4  # q [B, T, Hq, D] (positions [B, T]) or one chunk's [T, Hq, D]
+    batch = q.shape[0] if batched else 1
     t, hq, d = q.shape[-3:]
     block_m, block_n, warps, stages = tiles
     out = torch.empty_like(q)
@@ -166,7 +167,7 @@ def _launch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: 
         G=hq // k_pool.shape[1], D=d, BLOCK_M=block_m, BLOCK_N=block_n, QK_SCALE=d ** -0.5 * 1.4426950408889634,
         PAGED=table is not None, BS=k_pool.shape[2] if table is not None else 1,
         KS=ks, VS=vs, stride_sp=ks.stride(0) if scales else 0, stride_sh=ks.stride(1) if scales else 0,
-        QUANT=scales is not None, stride_qb=q.stride(0) if q.dim() == 4 else 0,
-        stride_pb=positions.stride(0) if q.dim() == 4 else 0, stride_ob=out.stride(0) if q.dim() == 4 else 0,
+        QUANT=scales is not None, stride_qb=q.stride(0) if batched else 0,
+        stride_pb=positions.stride(0) if batched else 0, stride_ob=out.stride(0) if batched else 0,
         num_warps=warps, num_stages=stages)
     return out

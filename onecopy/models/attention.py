@@ -73,18 +73,21 @@ def attend_pooled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step,
         write_rows(k_pool, step.rows, step.input_pos, k[:, 0])
         write_rows(v_pool, step.rows, step.input_pos, v[:, 0])
         return pooled_attention(q[:, 0], k_pool, v_pool, step.rows, step.input_pos + 1)[:, None]
-    rows, positions = token_rows(step)
-    write_rows(k_pool, rows, positions, k.flatten(0, 1))
-    write_rows(v_pool, rows, positions, v.flatten(0, 1))
-    if step.input_pos.dim() == 1:  # one chunk (the Qwen3.5 prefill's form)
-        return prefill_attention(q[0], k_pool, v_pool, step.rows, step.input_pos, step.context)[None]
-    return prefill_attention(q, k_pool, v_pool, step.rows, step.input_pos, step.context)
+    positions = chunk_positions(step)
+    rows = token_rows(step.rows, positions)
+    write_rows(k_pool, rows, positions.reshape(-1), k.flatten(0, 1))
+    write_rows(v_pool, rows, positions.reshape(-1), v.flatten(0, 1))
+    return prefill_attention(q, k_pool, v_pool, step.rows, positions, step.context)
 
 
-def token_rows(step: Step) -> tuple[torch.Tensor, torch.Tensor]:
-    """A prefill step's (row, position) per token, [N T] each, in the order of its flattened tokens."""
-    positions = step.input_pos if step.input_pos.dim() == 2 else step.input_pos[None]
-    return step.rows[:, None].expand(positions.shape).reshape(-1), positions.reshape(-1)
+def chunk_positions(step: Step) -> torch.Tensor:
+    """A prefill step's positions as [N, T] (one chunk's [T], the Qwen3.5 prefill's form, as [1, T])."""
+    return step.input_pos if step.input_pos.dim() == 2 else step.input_pos[None]
+
+
+def token_rows(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Each token's row, [N T] in the order of the flattened tokens, for chunks at ``positions`` [N, T]."""
+    return rows[:, None].expand(positions.shape).reshape(-1)
 
 
 def write_rows(pool: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
@@ -185,18 +188,15 @@ def attend_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, 
             return kernels.paged_decode_attention(q[:, 0], cache.k, cache.v, table, step.rows, lengths,
                                                   invariant.active())[:, None]
         return paged_attention_torch(q[:, 0], cache, table, step.rows, lengths)[:, None]
-    rows, positions = token_rows(step)
-    write_paged(cache.k, table, rows, positions, k.flatten(0, 1), cache.k_scale)
-    write_paged(cache.v, table, rows, positions, v.flatten(0, 1), cache.v_scale)
-    one = step.input_pos.dim() == 1  # one chunk, positions [T] (the Qwen3.5 prefill's form)
+    positions = chunk_positions(step)
+    rows = token_rows(step.rows, positions)
+    write_paged(cache.k, table, rows, positions.reshape(-1), k.flatten(0, 1), cache.k_scale)
+    write_paged(cache.v, table, rows, positions.reshape(-1), v.flatten(0, 1), cache.v_scale)
+    if on_cuda and cache.quantized:
+        return kernels.paged_prefill_attention_q8(q, cache.k, cache.v, cache.k_scale, cache.v_scale, table,
+                                                  step.rows, positions)
     if on_cuda:
-        qc = q[0] if one else q
-        if cache.quantized:
-            y = kernels.paged_prefill_attention_q8(qc, cache.k, cache.v, cache.k_scale, cache.v_scale, table,
-                                                   step.rows, step.input_pos)
-        else:
-            y = kernels.paged_prefill_attention(qc, cache.k, cache.v, table, step.rows, step.input_pos)
-        return y[None] if one else y
+        return kernels.paged_prefill_attention(q, cache.k, cache.v, table, step.rows, positions)
     keys = step.context if step.context is not None else torch.arange(table.shape[1] * cache.k.shape[2], device=q.device)
     k_rows = gather_paged(cache.k, table, step.rows, keys)  # [N, H, S, D]
     v_rows = gather_paged(cache.v, table, step.rows, keys)
@@ -204,7 +204,6 @@ def attend_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, 
         k_rows = kv_quant.dequantize(k_rows, gather_paged(cache.k_scale[..., None], table, step.rows, keys)[..., 0])
         v_rows = kv_quant.dequantize(v_rows, gather_paged(cache.v_scale[..., None], table, step.rows, keys)[..., 0])
         k_rows, v_rows = k_rows.to(q.dtype), v_rows.to(q.dtype)
-    positions = step.input_pos[None] if one else step.input_pos
     return chunk_attention(q.transpose(1, 2), k_rows, v_rows, positions, step.context).transpose(1, 2)
 
 
