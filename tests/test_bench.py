@@ -85,6 +85,16 @@ def test_bench_throughput_runs_every_point_with_all_requests_at_once(tiny_bundle
     assert r.returncode == 2 and "--requests must be >= 1, got 0" in r.stderr
     r = run_cli("bench", "throughput", "--bundle", str(tiny_bundle), "--points", "60/60", "--requests", "1")
     assert r.returncode == 2 and "point 60/60 needs 120 positions and the bundle holds" in r.stderr
+    r = run_cli("bench", "throughput", "--bundle", str(tiny_bundle), "--prefill", "sometimes")
+    assert r.returncode == 2 and "argument --prefill: invalid choice: 'sometimes'" in r.stderr
+
+
+def test_bench_throughput_refuses_an_unknown_prefill_mode_by_name(tiny_engine):
+    from onecopy.bench.throughput import bench_throughput
+
+    with pytest.raises(onecopy.InputError, match=r"prefill must be one of batched, per-chunk, both, got 'sometimes'"):
+        bench_throughput(tiny_engine, [(8, 4)], 1, command="test", prefill="sometimes")
+    assert tiny_engine.runner.batched_prefill  # refused before any run: the engine is as it was
 
 
 def test_trtllm_figures_are_matched_to_the_gpu_by_name():
