@@ -37,8 +37,10 @@ def _q8(args, native, invariant=False):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("b,hq,hkv,d,s", [(1, 32, 8, 128, 4096), (5, 6, 2, 64, 704), (70, 32, 8, 128, 1024),
-                                          (16, 28, 4, 128, 2048), (3, 8, 8, 64, 256)])
+                                          (16, 28, 4, 128, 2048), (3, 8, 8, 64, 256),
+                                          (130, 16, 8, 128, 4096)])
 def test_native_equals_triton_within_rounding(fmt, b, hq, hkv, d, s):
+    """The last shape gives each warp 64 steps of one split: page ids read four groups ahead of their loads."""
     from onecopy.kernels import native
 
     args = _inputs(fmt, b, hq, hkv, d, s)
@@ -112,4 +114,39 @@ def test_native_rope_kernel_in_a_graph_replays_eager_bits(fmt):
     torch.cuda.synchronize()
     assert torch.equal(out, want)
     for a, e in zip(static, eager_pools):
+        assert torch.equal(a.view(torch.uint8), e.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_native_takes_q_at_any_alignment(fmt):
+    """The kernel reads q (and a RoPE step's qkv, cos, sin) 16 bytes at a time: a view one element off that
+    alignment is copied first, and gives the bits of the aligned tensor."""
+    from onecopy import kernels
+
+    from .test_cuda import _rope_inputs
+
+    args = _inputs(fmt, 5, 32, 8, 128, 512)
+    q = args[0]
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")[1:].view(q.shape)
+    shifted.copy_(q)
+    assert shifted.data_ptr() % 16 != 0
+    assert torch.equal(_q8((shifted, *args[1:]), True), _q8(args, True))
+
+    dtype, bs, hq, hkv, d, s, b = kv_quant.KV_DTYPES[fmt], 16, 32, 8, 128, 256, 3
+    qkv, cos, sin, kp, vp = _rope_inputs(b, hq, hkv, d, s)
+    p = kp.shape[0]
+    table = torch.randperm(p * s // bs, device="cuda").view(p, s // bs)
+    (kq, ks), (vq, vs) = (kv_quant.quantize(x.view(p, hkv, s // bs, bs, d).transpose(1, 2).reshape(-1, hkv, bs, d), dtype)
+                          for x in (kp, vp))
+    pools = [kq, vq, ks, vs]
+    rows, pos = torch.arange(b, device="cuda"), torch.tensor([5, 100, 255], device="cuda")
+    outs = []
+    for off in (0, 3):
+        moved = [torch.empty(t.numel() + off, dtype=t.dtype, device="cuda")[off:].view(t.shape) for t in (qkv, cos, sin)]
+        for m, t in zip(moved, (qkv, cos, sin)):
+            m.copy_(t)
+        state = [t.clone() for t in pools]
+        outs.append((kernels.paged_decode_attention_rope_q8(*moved, *state, table, rows, pos, native=True), state))
+    assert torch.equal(outs[0][0], outs[1][0])
+    for a, e in zip(outs[0][1], outs[1][1]):
         assert torch.equal(a.view(torch.uint8), e.view(torch.uint8))

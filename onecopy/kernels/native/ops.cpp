@@ -47,17 +47,24 @@ at::Tensor decode_q8(const at::Tensor& q, const std::optional<at::Tensor>& cos, 
     po = at::empty({b, hq, splits, d}, q.options().dtype(at::kFloat));
     pml = at::empty({b, hq, splits, 2}, q.options().dtype(at::kFloat));
   }
+  // The kernel reads q, cos and sin 16 bytes at a time: their rows must start 16-byte aligned (a fresh copy if not).
+  auto rows16 = [](const at::Tensor& t) {
+    const bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(-1) == 1 &&
+                    (t.dim() < 2 || t.stride(-2) % 8 == 0) && (t.dim() < 3 || t.stride(-3) % 8 == 0);
+    return ok ? t : t.clone(at::MemoryFormat::Contiguous);
+  };
+  const at::Tensor qa = rows16(q);
   at::Tensor c, s;
   if (new_kv) {
-    c = cos->contiguous();
-    s = sin->contiguous();
+    c = rows16(cos->contiguous());
+    s = rows16(sin->contiguous());
     TORCH_CHECK(c.scalar_type() == q.scalar_type() && s.scalar_type() == q.scalar_type() && c.size(-1) == d,
                 "cos and sin must be [B, D] in q's dtype");
   }
   onecopy_native::DecodeQ8Params p{};
-  p.q = q.data_ptr();
-  p.stride_qb = q.stride(0);
-  p.stride_qh = new_kv ? d : q.stride(1);
+  p.q = qa.data_ptr();
+  p.stride_qb = qa.stride(0);
+  p.stride_qh = new_kv ? d : qa.stride(1);
   p.k = k_pool.data_ptr();
   p.v = v_pool.data_ptr();
   p.stride_kh = k_pool.stride(1);
