@@ -116,3 +116,16 @@ def test_pool_row_views_are_the_state(tiny_rows_bundle):
             assert bool(pool_t[row, :, :3].abs().sum() > 0) and bool(pool_t[row, :, 3:].abs().sum() == 0)
     with pytest.raises(onecopy.SessionClosedError):
         s.state
+
+
+def test_default_decode_buckets_double_to_128_then_step_by_a_quarter_and_an_eighth():
+    """Padding is nearly free while a step reads its weights (few rows) and costs in proportion once its GEMMs are
+    compute-bound (hundreds of rows): doublings to 128, then steps of 32 to 512 and 64 past it; the pool size last."""
+    from onecopy.runtime.step import default_buckets
+
+    assert default_buckets(1) == [1] and default_buckets(6) == [1, 2, 4, 6]
+    assert default_buckets(256) == [1, 2, 4, 8, 16, 32, 64, 128, 160, 192, 224, 256]
+    got = default_buckets(1000)
+    assert got[:12] == default_buckets(256) and got[-1] == 1000 and len(got) == 28
+    assert got[11:20] == list(range(256, 513, 32)) and got[19:27] == list(range(512, 961, 64))
+    assert max(b / a for a, b in zip(got[7:], got[8:])) <= 1.25  # past 128 rows a step pads by at most a quarter

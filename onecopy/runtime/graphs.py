@@ -4,6 +4,10 @@ Measured (docs/architecture.md, "Facts measured"): a loaded AOTI runner that was
 a runner, bound to the engine's shared weights. Every graph reads the same static inputs (tokens,
 positions, rows) and the same state pools, whose addresses never change, so any session's row
 can ride in any graph: a step pads to the next bucket and points the padding at the scratch row.
+The graphs share one static output: the largest graph's; each smaller one copies its output into that
+output's first rows inside the graph and frees its own, so a bucket costs no output memory of its own (a step
+reads one graph's output before the next replays). Fine buckets past a few hundred rows are then cheap, and
+that is where padding costs in proportion (the GEMMs are compute-bound there).
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ class DecodeGraphs:
         torch.cuda.synchronize(device)
         free_before = torch.cuda.mem_get_info(device)[0]
         self.mempool = torch.cuda.graph_pool_handle()
-        self._graphs: dict[int, tuple[Method, torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[int, tuple[Method, torch.cuda.CUDAGraph]] = {}
+        self._out: list[torch.Tensor] = []  # the largest graph's outputs; a graph of b rows writes their first b
+        self._single = True
         try:
             for b in sorted(buckets, reverse=True):  # largest first: smaller graphs reuse its pool blocks
                 runner = Method(spec, package, device)
@@ -46,7 +52,14 @@ class DecodeGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.inference_mode(), torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="relaxed"):
                     out = runner(*args)
-                self._graphs[b] = (runner, graph, out)
+                    outs = [out] if isinstance(out, torch.Tensor) else list(out)
+                    if not self._out:
+                        self._out, self._single = outs, isinstance(out, torch.Tensor)
+                    else:
+                        for static, o in zip(self._out, outs, strict=True):
+                            static[:b].copy_(o)
+                    del out, outs  # a smaller graph's own outputs go back to the pool for the next capture
+                self._graphs[b] = (runner, graph)
         except BaseException:
             self.release()
             raise
@@ -60,14 +73,17 @@ class DecodeGraphs:
     def buckets(self) -> list[int]:
         return sorted(self._graphs)
 
-    def replay(self, batch: int) -> torch.Tensor:
-        """Run the graph of ``batch`` rows on what the static inputs hold now; returns its static output."""
-        _, graph, out = self._graphs[batch]
+    def replay(self, batch: int) -> torch.Tensor | list[torch.Tensor]:
+        """Run the graph of ``batch`` rows on what the static inputs hold now; returns its output: views of the
+        shared static output's first ``batch`` rows, valid until the next replay."""
+        _, graph = self._graphs[batch]
         graph.replay()
-        return out
+        views = [o[:batch] for o in self._out]
+        return views[0] if self._single else views
 
     def release(self) -> None:
-        for runner, graph, _ in self._graphs.values():
+        for runner, graph in self._graphs.values():
             graph.reset()
             runner.close()
         self._graphs.clear()
+        self._out = []

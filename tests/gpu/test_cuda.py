@@ -65,6 +65,29 @@ def test_graph_replay_equals_eager_bit_for_bit_over_64_steps(cuda_bundle):
             assert torch.equal(se.state[k], sg.state[k]), k
 
 
+def test_decode_graphs_share_one_output_and_each_replays_eager_bits(cuda_bundle):
+    """Past 128 rows the graphs come in steps of 32 (a padded row costs what a real one does there), all writing
+    the largest graph's output: every bucket's logits are a view of one buffer, with the bits of an eager call of
+    the same batch."""
+    from onecopy.runtime.step import default_buckets
+
+    with onecopy.Engine.load(cuda_bundle, "cuda", max_sessions=300) as engine:
+        step = engine.runner.step
+        assert engine.graph_buckets == default_buckets(300) == [1, 2, 4, 8, 16, 32, 64, 128, 160, 192, 224, 256, 288,
+                                                                 300]
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, 256, (300,), generator=g).cuda()
+        ptrs = set()
+        for b in (1, 150, 161, 289, 300):
+            rows, positions = list(range(b)), torch.randint(0, 64, (b,), generator=g).tolist()
+            got = step(rows, positions, tokens[:b]).clone()
+            ptrs.add(step.graphs.replay(step.batch_size(b)).data_ptr())
+            with torch.inference_mode():
+                want = step.method(*step.inputs(step.batch_size(b)))[:b]
+            assert torch.equal(got, want), b
+        assert len(ptrs) == 1
+
+
 def _alone(engine, prompt, params):
     with engine.open_session() as s:
         ids = s.submit(prompt, params, stop_ids=[]).result(timeout=120)
