@@ -33,6 +33,25 @@ def test_requests_wait_for_rows_in_order_and_own_sessions_go_ahead():
     assert (s.waiting, s.running) == (1, 2)
 
 
+def test_admission_with_every_row_taken_looks_at_one_request_not_the_whole_queue():
+    """TensorRT-LLM's points queue 30000 requests at once: an admission that finds no free row stops at the first
+    request needing one (rows free only as requests end), instead of weighing each of the thousands behind it
+    every step (3.3 s a step on this host before)."""
+    s = scheduler(rows=2)
+    queued = [request([1, 2]) for _ in range(3000)]
+    for r in queued:
+        s.add(r)
+    weighed = []
+    fits = s._fits
+    s._fits = lambda req, promised: weighed.append(req) or fits(req, promised)
+    assert s.admit() == queued[:2] and weighed == queued[:3]  # the third found no row; nobody behind it was weighed
+    weighed.clear()
+    assert s.admit() == [] and weighed == [queued[2]] and s.waiting == 2998
+    mine = request([4], row=7)  # a request on its session's row still goes ahead of the queue
+    s.add(mine)
+    assert s.admit() == [mine] and s.waiting == 2998
+
+
 def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_others_decode():
     s = scheduler(rows=2, chunk=4)
     short, long = request([1, 2]), request(list(range(10, 20)))

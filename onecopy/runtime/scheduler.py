@@ -38,6 +38,8 @@ lock, so a submit never races an admission.
 from __future__ import annotations
 
 import collections
+import itertools
+import operator
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,6 +50,8 @@ from .kv_manager import KVCacheManager, KVSpec
 from .plan import PrefillChunk, RequestStart, StateOps, StepPlan, ZeroRow
 from .request import Request, RequestStatus
 from .rows import RowAllocator, RowLease
+
+_CANCEL_REQUESTED = operator.attrgetter("cancel_requested")
 
 __all__ = ["Reclaimer", "Request", "RequestStatus", "Scheduler", "SchedulerStats"]
 
@@ -108,6 +112,9 @@ class Scheduler:
         self.kv = KVCacheManager(kv, rows, max_seq_len, self.ops) if kv is not None else None
         self._queue_lock = threading.Lock()  # guards _waiting and _unfinished: `add` runs on submitting threads
         self._waiting: collections.deque[Request] = collections.deque()
+        # Waiting requests that need no row (a session's, or a preempted one that kept its row): while there are
+        # none, an admission that runs out of rows or blocks can stop scanning a queue of thousands.
+        self._waiting_with_row = 0
         # Every request from `add` until it finishes, whatever list it is in (or between two, when admission
         # raises half-way): `finish_all` ends each one, so no stream is ever left waiting.
         self._unfinished: dict[Request, None] = {}
@@ -154,6 +161,7 @@ class Scheduler:
                                      "max_queue")
             req.arrival = self.stats.requests_submitted  # victims of preemption are the latest to arrive
             self._waiting.append(req)
+            self._waiting_with_row += not req.needs_row
             self._unfinished[req] = None
             self.stats.requests_submitted += 1
 
@@ -208,8 +216,9 @@ class Scheduler:
 
     def _dequeue(self, req: Request) -> int:
         with self._queue_lock:
-            at = self._waiting.index(req)
+            at = self._waiting.index(req)  # near the head: admission takes requests in order
             del self._waiting[at]
+            self._waiting_with_row -= not req.needs_row
             return at
 
     # -- one iteration -----------------------------------------------------------------------------
@@ -218,13 +227,17 @@ class Scheduler:
         first. Returns the requests admitted for the first time."""
         with self._queue_lock:
             waiting = list(self._waiting)  # a snapshot: `add` appends on other threads
-        for req in [r for r in waiting + self._running if r.cancel_requested]:
+        cancelled = itertools.compress(waiting, map(_CANCEL_REQUESTED, waiting))  # C-speed over a long queue
+        for req in [*cancelled, *(r for r in self._running if r.cancel_requested)]:
             self.finish(req, "cancelled")
         admitted = []
         blocked = False  # the oldest request needing a row waits for KV blocks: later ones must not overtake it
+        rows_out = False  # a request needing a row found none: rows free only as requests end, so later ones neither
         promised = self._promised() if waiting else 0.0  # O(running): not on a step with nothing to admit
         for req in waiting:
-            if req.status is not RequestStatus.WAITING or req.starts_empty and blocked:
+            if (blocked or rows_out) and not self._waiting_with_row:
+                break  # every request left needs a row: none can start (30000 queued: no scan per step)
+            if req.status is not RequestStatus.WAITING or req.starts_empty and blocked or req.needs_row and rows_out:
                 continue
             fits = self._fits(req, promised)
             while not fits and req.starts_empty and self._reclaim_idle():
@@ -232,12 +245,17 @@ class Scheduler:
             if not fits:
                 blocked = blocked or req.starts_empty
                 continue  # waits for KV blocks (requests end and give theirs back)
+            if req.needs_row and self.rows.free_rows == 0 and self.reclaimer is None:
+                rows_out = True
+                continue  # waits for a row; requests on their own session may still go ahead
             at = self._dequeue(req)  # out of the queue before a row changes hands (see `backlog`)
             if req.needs_row:
-                if self.rows.free_rows == 0 and not (self.reclaimer is not None and self.reclaimer.reclaim()):
+                if self.rows.free_rows == 0 and not self.reclaimer.reclaim():
                     with self._queue_lock:
                         self._waiting.insert(at, req)
-                    continue  # waits for a row; requests on their own session may still go ahead
+                        self._waiting_with_row += not req.needs_row
+                    rows_out = True
+                    continue
                 req.lease = self.rows.take()
             first = not req.admitted
             if first:
@@ -380,6 +398,7 @@ class Scheduler:
         self.stats.preemptions += 1
         with self._queue_lock:
             self._waiting.appendleft(req)
+            self._waiting_with_row += not req.needs_row
 
     def _plan_prefills(self, plan: StepPlan, decoding: int) -> None:
         """The step's prefill chunks: the oldest prompt's next chunk, then (with a token budget) the next
@@ -432,8 +451,9 @@ class Scheduler:
         if req in self._running:
             self._running.remove(req)
         with self._queue_lock:
-            if req in self._waiting:
+            if req.status is RequestStatus.WAITING and req in self._waiting:  # not a scan of the queue per finish
                 self._waiting.remove(req)
+                self._waiting_with_row -= not req.needs_row
             self._unfinished.pop(req, None)
         req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error
         self.stats.requests_finished[reason] += 1
