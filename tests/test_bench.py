@@ -79,6 +79,7 @@ def test_bench_throughput_runs_every_point_with_all_requests_at_once(tiny_bundle
         assert 0 < p["kv_blocks_used_max"] <= p["kv_blocks"] and p["preemptions"] == 0  # every row fits: no preemption
         assert p["trtllm_tok_s"] is None and p["vs_trtllm"] is None  # TensorRT-LLM's table is for H100/H200 runs
     assert res["reference"] is None and png.stat().st_size > 0 and "8/4" in r.stdout
+    assert res["requests"] == 12 and [p["requests"] for p in res["points"]] == [12] * 4
     r = run_cli("bench", "throughput", "--bundle", str(tiny_bundle), "--points", "8x4")
     assert r.returncode == 2 and "--points entry '8x4' is not INPUT/OUTPUT token counts" in r.stderr
     r = run_cli("bench", "throughput", "--bundle", str(tiny_bundle), "--requests", "0")
@@ -87,6 +88,15 @@ def test_bench_throughput_runs_every_point_with_all_requests_at_once(tiny_bundle
     assert r.returncode == 2 and "point 60/60 needs 120 positions and the bundle holds" in r.stderr
     r = run_cli("bench", "throughput", "--bundle", str(tiny_bundle), "--prefill", "sometimes")
     assert r.returncode == 2 and "argument --prefill: invalid choice: 'sometimes'" in r.stderr
+
+
+def test_bench_throughput_runs_tensorrt_llms_request_count_at_each_of_its_points():
+    """A run of one wave of requests measures its ramp and drain; TensorRT-LLM ran 30000 requests at 128/128, 3000
+    at 1000/1000 and 1500 at 2048/2048 to reach a steady state, and the comparison runs as many unless told."""
+    from onecopy.bench.throughput import DEFAULT_POINTS, parse_points, point_requests
+
+    assert [point_requests(p, None) for p in parse_points(DEFAULT_POINTS)] == [30000, 3000, 1500]
+    assert point_requests((7, 9), None) == 1024 and point_requests((128, 128), 12) == 12
 
 
 def test_bench_throughput_refuses_an_unknown_prefill_mode_by_name(tiny_engine):

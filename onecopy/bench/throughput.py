@@ -1,11 +1,12 @@
 """`onecopy bench throughput`: offline throughput as `trtllm-bench` and `vllm bench throughput` measure it.
 
 For each input/output point, N requests of random token ids (fixed input length, exactly the output length:
-no stop ids) are submitted to the engine at once; the engine's rows take them as they free. Reported per point:
-output tok/s (all generated tokens over the wall time from the first submit to the last token, prefill
-included: TensorRT-LLM's "output throughput per GPU"), requests/s, time to first token and inter-token
-latency p50/p99, the mean decode batch, the rows and KV blocks the engine has, and the device time of the
-prefill calls, decode steps and sampling (`runtime.phase_times`): what the rest of the wall time is the host's.
+no stop ids; N by default what TensorRT-LLM ran at the point) are submitted to the engine at once; the
+engine's rows take them as they free. Reported per point: output tok/s (all generated tokens over the wall
+time from the first submit to the last token, prefill included: TensorRT-LLM's "output throughput per GPU"),
+requests/s, time to first token and inter-token latency p50/p99, the mean decode batch, the rows and KV
+blocks the engine has, and the device time of the prefill calls, decode steps and sampling
+(`runtime.phase_times`): what the rest of the wall time is the host's.
 ``prefill="both"`` measures each point twice on one engine, first with one prefill call per prompt chunk
 (the baseline) and then with equal-length chunks batched into one call (the default). TensorRT-LLM's published
 Llama-3.1-8B FP8 figures (v1.0 performance overview: output tok/s per GPU, all requests at once) are kept
@@ -27,6 +28,17 @@ from .serve_load import pct
 TRTLLM_LLAMA31_8B_FP8 = {"H100": {(128, 128): 28312, (1000, 1000): 15220, (2048, 2048): 9305},
                          "H200": {(128, 128): 27911, (1000, 1000): 17744, (2048, 2048): 12194}}
 DEFAULT_POINTS = "128/128,1000/1000,2048/2048"
+# Requests per point in TensorRT-LLM's runs of that table (its perf-overview, "$num_requests": more for short points,
+# so that the run reaches a steady state of requests entering and leaving; a run of one wave measures its ramp and
+# drain instead). Other points: OTHER_POINT_REQUESTS.
+TRTLLM_REQUESTS = {(128, 128): 30000, (128, 2048): 3000, (128, 4096): 1500, (1000, 2000): 1500, (2048, 128): 3000,
+                   (2048, 2048): 1500, (5000, 500): 1500, (1000, 1000): 3000, (500, 2000): 3000, (20000, 2000): 1000}
+OTHER_POINT_REQUESTS = 1024
+
+
+def point_requests(point: tuple[int, int], requests: int | None) -> int:
+    """``requests`` if given, else what TensorRT-LLM ran at this point (`TRTLLM_REQUESTS`) or OTHER_POINT_REQUESTS."""
+    return requests if requests is not None else TRTLLM_REQUESTS.get(point, OTHER_POINT_REQUESTS)
 
 
 def parse_points(text: str) -> list[tuple[int, int]]:
@@ -93,10 +105,11 @@ def reference_gpu(device_name: str) -> str | None:
     return next((k for k in TRTLLM_LLAMA31_8B_FP8 if k in device_name.upper()), None)
 
 
-def bench_throughput(engine: Any, points: list[tuple[int, int]], requests: int, *, command: str,
+def bench_throughput(engine: Any, points: list[tuple[int, int]], requests: int | None, *, command: str,
                      out: Path | None = None, png: Path | None = None, prefill: str = "batched") -> dict[str, Any]:
     """Every point in turn on one engine; the JSON (written to ``out``) and a bar chart (``png``).
-    ``prefill``: one of `PREFILL_MODES` (batched chunks where the bundle's prefill takes them)."""
+    ``requests``: per point (None: TensorRT-LLM's count there, `point_requests`). ``prefill``: one of
+    `PREFILL_MODES` (batched chunks where the bundle's prefill takes them)."""
     import json
 
     import torch
@@ -104,7 +117,8 @@ def bench_throughput(engine: Any, points: list[tuple[int, int]], requests: int, 
     device = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu"
     gpu = reference_gpu(device) if engine.device.type == "cuda" else None
     res: dict[str, Any] = {"command": command, "device": device, "torch": torch.__version__, "bundle": str(engine.path),
-                           "requests": requests, "rows": engine.max_sessions, "pool_sizing": engine.pool_sizing,
+                           "requests": requests if requests is not None else "TensorRT-LLM's per point",
+                           "rows": engine.max_sessions, "pool_sizing": engine.pool_sizing,
                            "reference": ("TensorRT-LLM v1.0 published, Llama-3.1-8B FP8, output tok/s per GPU, "
                                          f"{gpu}" if gpu else None), "points": []}
     if prefill not in PREFILL_MODES:
@@ -114,7 +128,7 @@ def bench_throughput(engine: Any, points: list[tuple[int, int]], requests: int, 
     for run, ((i, o), batch) in enumerate((p, m) for p in points for m in modes):
         engine.runner.batched_prefill = batch  # the runner reads it every step; the engine is idle here
         try:
-            row = run_point(engine, i, o, requests, seed=run)  # prompts no earlier run cached
+            row = run_point(engine, i, o, point_requests((i, o), requests), seed=run)  # prompts no earlier run cached
         finally:
             engine.runner.batched_prefill = batched
         ref = TRTLLM_LLAMA31_8B_FP8[gpu].get((i, o)) if gpu else None
@@ -149,7 +163,7 @@ def plot(res: dict[str, Any], png: Path) -> None:
     ax.set_xticks(list(xs), labels)
     ax.set_xlabel("input / output tokens")
     ax.set_ylabel("output tok/s")
-    ax.set_title(f"{res['requests']} requests at once, {res['device']}")
+    ax.set_title(f"requests at once: {', '.join(str(p['requests']) for p in res['points'])}; {res['device']}")
     ax.legend()
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
@@ -158,12 +172,14 @@ def plot(res: dict[str, Any], png: Path) -> None:
 
 
 def print_table(res: dict[str, Any]) -> None:
-    print(f"{res['requests']} requests at once on {res['device']} ({res['rows']} rows; {res['pool_sizing']})")
-    print(f"{'in/out':>11} {'tok/s':>9} {'req/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
+    print(f"requests at once per point: {res['requests']}, on {res['device']} ({res['rows']} rows; {res['pool_sizing']})")
+    print(f"{'in/out':>11} {'requests':>8} {'tok/s':>9} {'req/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
+          f"{'ITL p99':>8} "
           f"{'batch':>6} {'rows':>5} {'blocks':>7} {'preempt':>7} {'prefill':>9} {'pf s':>6} {'dec s':>6} "
           f"{'TRT-LLM':>8} {'x':>5}")
     for p in res["points"]:
-        print(f"{p['input_len']:>5}/{p['output_len']:<5} {p['output_tok_s']:>9,.1f} {p['requests_per_s']:>7.2f} "
+        print(f"{p['input_len']:>5}/{p['output_len']:<5} {p['requests']:>8} {p['output_tok_s']:>9,.1f} "
+              f"{p['requests_per_s']:>7.2f} "
               f"{p['ttft_ms']['p50']:>9} {p['ttft_ms']['p99']:>9} {p['itl_ms']['p50']:>8} {p['itl_ms']['p99']:>8} "
               f"{p['mean_decode_batch'] or '-':>6} {p['rows_used_max']:>5} {p['kv_blocks_used_max'] or '-':>7} "
               f"{p['preemptions']:>7} {p['prefill']:>9} {phase_seconds(p, 'prefill'):>6} "
