@@ -65,27 +65,27 @@ def test_graph_replay_equals_eager_bit_for_bit_over_64_steps(cuda_bundle):
             assert torch.equal(se.state[k], sg.state[k]), k
 
 
-def test_decode_graphs_share_one_output_and_each_replays_eager_bits(cuda_bundle):
+def test_decode_graphs_share_one_output_and_every_bucket_gives_eager_bits(cuda_bundle):
     """Past 128 rows the graphs come in steps of 32 (a padded row costs what a real one does there), all writing
-    the largest graph's output: every bucket's logits are a view of one buffer, with the bits of an eager call of
-    the same batch."""
+    the largest graph's output. 300 deterministic requests of different lengths, their batch shrinking through
+    every bucket as they end: the ids of eager steps, and every bucket's logits a view of one buffer."""
     from onecopy.runtime.step import default_buckets
 
-    with onecopy.Engine.load(cuda_bundle, "cuda", max_sessions=300) as engine:
-        step = engine.runner.step
-        assert engine.graph_buckets == default_buckets(300) == [1, 2, 4, 8, 16, 32, 64, 128, 160, 192, 224, 256, 288,
-                                                                 300]
-        g = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, 256, (300,), generator=g).cuda()
-        ptrs = set()
-        for b in (1, 150, 161, 289, 300):
-            rows, positions = list(range(b)), torch.randint(0, 64, (b,), generator=g).tolist()
-            got = step(rows, positions, tokens[:b]).clone()
-            ptrs.add(step.graphs.replay(step.batch_size(b)).data_ptr())
-            with torch.inference_mode():
-                want = step.method(*step.inputs(step.batch_size(b)))[:b]
-            assert torch.equal(got, want), b
-        assert len(ptrs) == 1
+    reqs = [([5 + i % 200, 9, 33 + i % 7], onecopy.SamplingParams(max_new_tokens=2 + i % 40, temperature=0.8 * (i % 2),
+                                                                  seed=i)) for i in range(300)]
+    ids = []
+    for graphs in (True, False):
+        with onecopy.Engine.load(cuda_bundle, "cuda", max_sessions=300, deterministic=True, cuda_graphs=graphs) as engine:
+            if graphs:
+                assert engine.graph_buckets == default_buckets(300) == [1, 2, 4, 8, 16, 32, 64, 128, 160, 192, 224,
+                                                                         256, 288, 300]
+            streams = [engine.submit(p, sp, stop_ids=[]) for p, sp in reqs]
+            ids.append([s.result(timeout=300) for s in streams])
+            if graphs:
+                step = engine.runner.step
+                step.rows.fill_(engine.runner.pool.scratch)  # replays below write the scratch row alone
+                assert len({step.graphs.replay(b).data_ptr() for b in engine.graph_buckets}) == 1
+    assert ids[0] == ids[1]
 
 
 def _alone(engine, prompt, params):
