@@ -15,8 +15,9 @@ class EngineConfig:
       ``memory_fraction`` of the device holds after what is in use and ``reserve_bytes`` (at most 256),
       8 on CPU. ``memory_budget`` bounds the pool's bytes. `MemoryReport.pool_sizing` says which rule applied.
     - ``cuda_graphs`` (default: on for CUDA): decode captured once per batch size in ``decode_buckets``
-      (default 1, 2, 4, ... up to the pool size); steps run padded to the next bucket with graphs, and
-      eagerly too when ``decode_buckets`` is given.
+      (default 1, 2, 4, ... 128, then every 32 rows to 512 and every 64 past it, up to the pool size:
+      `runtime.step.default_buckets`); steps run padded to the next bucket with graphs, and eagerly too
+      when ``decode_buckets`` is given.
     - ``deterministic``: a session's logits, tokens and state are the same bit for bit whatever its row,
       the pool size and the sessions sharing its steps (the bundle's batch-invariant decode on CUDA, the
       decode one row per call on CPU; `runtime.step`). Default: the fastest decode, batched.

@@ -32,8 +32,8 @@ def runs_one_row_per_call(spec: MethodSpec, deterministic: bool) -> bool:
 
 
 def default_buckets(rows: int) -> list[int]:
-    """Batch sizes with a decode graph: 1, 2, 4, ... 128, then four steps per doubling up to 256 and eight past
-    it, and the pool size itself. Below ~128 rows a step reads its weights whatever the batch (padding is nearly
+    """Batch sizes with a decode graph: 1, 2, 4, ... 128, then every 32 rows up to 512 and every 64 past it, and
+    the pool size itself. Below ~128 rows a step reads its weights whatever the batch (padding is nearly
     free); past that its GEMMs are compute-bound and a padded row costs what a real one does (a 1000/1000
     throughput run decodes ~340 rows: padded to 512 with powers of two, to 352 here). The graphs share one
     output (`graphs.DecodeGraphs`), so a bucket costs its capture (~0.3 s), not memory."""
