@@ -29,6 +29,19 @@ def _inputs(fmt, b, hq, hkv, d, s, bs=16, seed=0, fill=None):
     return q, kq, vq, ks, vs, table, rows, lengths
 
 
+def _rope_pages(fmt, b, s, hq=32, hkv=8, d=128, bs=16):
+    """A RoPE decode step's qkv, cos, sin [b, ...], a table over shuffled pages and 8-bit pools [k, v, k_scale,
+    v_scale] of b + 1 rows of s positions."""
+    from .test_cuda import _rope_inputs
+
+    qkv, cos, sin, kp, vp = _rope_inputs(b, hq, hkv, d, s)
+    p = kp.shape[0]
+    table = torch.randperm(p * s // bs, device="cuda").view(p, s // bs)
+    (kq, ks), (vq, vs) = (kv_quant.quantize(x.view(p, hkv, s // bs, bs, d).transpose(1, 2).reshape(-1, hkv, bs, d),
+                                            kv_quant.KV_DTYPES[fmt]) for x in (kp, vp))
+    return qkv, cos, sin, table, [kq, vq, ks, vs]
+
+
 def _q8(args, native, invariant=False):
     from onecopy import kernels
 
@@ -88,17 +101,10 @@ def test_native_rope_kernel_in_a_graph_replays_eager_bits(fmt):
     """The RoPE + quantizing-write kernel captured in a CUDA graph: the same output and cache bytes as eager."""
     from onecopy import kernels
 
-    from .test_cuda import _rope_inputs
-
-    dtype, bs, hq, hkv, d, s, b = kv_quant.KV_DTYPES[fmt], 16, 32, 8, 128, 1024, 6
-    qkv, cos, sin, kp, vp = _rope_inputs(b, hq, hkv, d, s)
-    p = kp.shape[0]
-    table = torch.randperm(p * s // bs, device="cuda").view(p, s // bs)
-    (kq, ks), (vq, vs) = (kv_quant.quantize(x.view(p, hkv, s // bs, bs, d).transpose(1, 2).reshape(-1, hkv, bs, d), dtype)
-                          for x in (kp, vp))
+    b = 6
+    qkv, cos, sin, table, pools = _rope_pages(fmt, b, 1024)
     rows = torch.arange(b, device="cuda")
     pos = torch.tensor([0, 15, 16, 200, 777, 1023], device="cuda")
-    pools = [kq, vq, ks, vs]
     eager_pools = [t.clone() for t in pools]
     want = kernels.paged_decode_attention_rope_q8(qkv, cos, sin, *eager_pools, table, rows, pos, native=True)
     graph_pools = [t.clone() for t in pools]
@@ -123,8 +129,6 @@ def test_native_takes_q_at_any_alignment(fmt):
     alignment is copied first, and gives the bits of the aligned tensor."""
     from onecopy import kernels
 
-    from .test_cuda import _rope_inputs
-
     args = _inputs(fmt, 5, 32, 8, 128, 512)
     q = args[0]
     shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")[1:].view(q.shape)
@@ -132,13 +136,8 @@ def test_native_takes_q_at_any_alignment(fmt):
     assert shifted.data_ptr() % 16 != 0
     assert torch.equal(_q8((shifted, *args[1:]), True), _q8(args, True))
 
-    dtype, bs, hq, hkv, d, s, b = kv_quant.KV_DTYPES[fmt], 16, 32, 8, 128, 256, 3
-    qkv, cos, sin, kp, vp = _rope_inputs(b, hq, hkv, d, s)
-    p = kp.shape[0]
-    table = torch.randperm(p * s // bs, device="cuda").view(p, s // bs)
-    (kq, ks), (vq, vs) = (kv_quant.quantize(x.view(p, hkv, s // bs, bs, d).transpose(1, 2).reshape(-1, hkv, bs, d), dtype)
-                          for x in (kp, vp))
-    pools = [kq, vq, ks, vs]
+    b = 3
+    qkv, cos, sin, table, pools = _rope_pages(fmt, b, 256)
     rows, pos = torch.arange(b, device="cuda"), torch.tensor([5, 100, 255], device="cuda")
     outs = []
     for off in (0, 3):
