@@ -405,8 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--points", default=None, help="INPUT/OUTPUT token counts, comma-separated (default: TensorRT-LLM's "
                                                    "128/128,1000/1000,2048/2048)")
     bt.add_argument("--requests", type=int, default=None,
-                    help="requests submitted at once per point (default: TensorRT-LLM's count for the point, 30000 at "
-                         "128/128, 3000 at 1000/1000, 1500 at 2048/2048; 1024 for points it did not run)")
+                    help="requests submitted at once per point (default on CUDA: TensorRT-LLM's count for the point, "
+                         "30000 at 128/128, 3000 at 1000/1000, 1500 at 2048/2048, 1024 for points it did not run; "
+                         "32 on the CPU)")
     bt.add_argument("--prefill", default="batched", choices=["batched", "per-chunk", "both"],
                     help="prefill calls: equal-length chunks of several prompts in one call (default), one call per "
                          "chunk (the baseline), or both, each point measured per chunk first")

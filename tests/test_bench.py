@@ -97,6 +97,7 @@ def test_bench_throughput_runs_tensorrt_llms_request_count_at_each_of_its_points
 
     assert [point_requests(p, None) for p in parse_points(DEFAULT_POINTS)] == [30000, 3000, 1500]
     assert point_requests((7, 9), None) == 1024 and point_requests((128, 128), 12) == 12
+    assert point_requests((128, 128), None, cuda=False) == 32 and point_requests((128, 128), 5, cuda=False) == 5
 
 
 def test_bench_throughput_refuses_an_unknown_prefill_mode_by_name(tiny_engine):

@@ -1,7 +1,7 @@
 """`onecopy bench throughput`: offline throughput as `trtllm-bench` and `vllm bench throughput` measure it.
 
 For each input/output point, N requests of random token ids (fixed input length, exactly the output length:
-no stop ids; N by default what TensorRT-LLM ran at the point) are submitted to the engine at once; the
+no stop ids; N by default what TensorRT-LLM ran at the point, 32 on the CPU) are submitted to the engine at once; the
 engine's rows take them as they free. Reported per point: output tok/s (all generated tokens over the wall
 time from the first submit to the last token, prefill included: TensorRT-LLM's "output throughput per GPU"),
 requests/s, time to first token and inter-token latency p50/p99, the mean decode batch, the rows and KV
@@ -34,11 +34,15 @@ DEFAULT_POINTS = "128/128,1000/1000,2048/2048"
 TRTLLM_REQUESTS = {(128, 128): 30000, (128, 2048): 3000, (128, 4096): 1500, (1000, 2000): 1500, (2048, 128): 3000,
                    (2048, 2048): 1500, (5000, 500): 1500, (1000, 1000): 3000, (500, 2000): 3000, (20000, 2000): 1000}
 OTHER_POINT_REQUESTS = 1024
+CPU_REQUESTS = 32  # a CPU run has no published figure beside it, and 30000 requests would take it days
 
 
-def point_requests(point: tuple[int, int], requests: int | None) -> int:
-    """``requests`` if given, else what TensorRT-LLM ran at this point (`TRTLLM_REQUESTS`) or OTHER_POINT_REQUESTS."""
-    return requests if requests is not None else TRTLLM_REQUESTS.get(point, OTHER_POINT_REQUESTS)
+def point_requests(point: tuple[int, int], requests: int | None, cuda: bool = True) -> int:
+    """``requests`` if given, else on CUDA what TensorRT-LLM ran at this point (`TRTLLM_REQUESTS`, or
+    OTHER_POINT_REQUESTS), on the CPU CPU_REQUESTS."""
+    if requests is not None:
+        return requests
+    return TRTLLM_REQUESTS.get(point, OTHER_POINT_REQUESTS) if cuda else CPU_REQUESTS
 
 
 def parse_points(text: str) -> list[tuple[int, int]]:
@@ -128,7 +132,8 @@ def bench_throughput(engine: Any, points: list[tuple[int, int]], requests: int |
     for run, ((i, o), batch) in enumerate((p, m) for p in points for m in modes):
         engine.runner.batched_prefill = batch  # the runner reads it every step; the engine is idle here
         try:
-            row = run_point(engine, i, o, point_requests((i, o), requests), seed=run)  # prompts no earlier run cached
+            n = point_requests((i, o), requests, cuda=engine.device.type == "cuda")
+            row = run_point(engine, i, o, n, seed=run)  # prompts no earlier run cached
         finally:
             engine.runner.batched_prefill = batched
         ref = TRTLLM_LLAMA31_8B_FP8[gpu].get((i, o)) if gpu else None
