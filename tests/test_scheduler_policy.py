@@ -1,5 +1,6 @@
 """The scheduler as pure policy: plans, rows and bookkeeping on the host, no bundle, no tensors."""
 
+import collections
 import threading
 
 import pytest
@@ -50,6 +51,25 @@ def test_admission_with_every_row_taken_looks_at_one_request_not_the_whole_queue
     mine = request([4], row=7)  # a request on its session's row still goes ahead of the queue
     s.add(mine)
     assert s.admit() == [mine] and s.waiting == 2998
+
+
+def test_finishing_everything_ends_a_long_queue_without_searching_it_per_request():
+    class Counting(collections.deque):
+        scanned = 0  # entries a membership test walks past
+
+        def __contains__(self, item):
+            Counting.scanned += len(self)
+            return super().__contains__(item)
+
+    s = scheduler(rows=1)
+    queued = [request([1]) for _ in range(2000)]
+    for r in queued:
+        s.add(r)
+    s.admit()
+    s._waiting = Counting(s._waiting)
+    s.finish_all("cancelled")
+    assert Counting.scanned == 0 and s.waiting == 0 and s.running == 0
+    assert all(r.finish_reason == "cancelled" for r in queued) and len(s.take_finished()) == 2000
 
 
 def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_others_decode():

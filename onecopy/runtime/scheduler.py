@@ -474,6 +474,9 @@ class Scheduler:
         """End every request not finished. A bookkeeping error on one (the state is broken: the engine is
         failing) keeps none of the others from ending; the first such error is raised afterwards."""
         first = None
+        with self._queue_lock:  # the queue emptied at once: finishing 30000 queued ones must not search it each time
+            self._waiting.clear()
+            self._waiting_with_row = 0
         for req in self.requests():
             try:
                 self.finish(req, reason, error)
