@@ -15,6 +15,18 @@
 
 namespace {
 
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// x's rows as the kernels read them, 16 bytes at a time: unit inner stride, every outer stride a multiple of 8
+// values, an aligned start (a contiguous view that starts off 16 bytes is copied: .contiguous() would return it
+// as it is).
+at::Tensor copyable_rows(const at::Tensor& x) {
+  bool ok = x.stride(-1) == 1 && aligned16(x);
+  for (int64_t i = 0; ok && i + 1 < x.dim(); ++i) ok = x.stride(i) % 8 == 0;
+  if (ok) return x;
+  return x.is_contiguous() ? x.clone() : x.contiguous();
+}
+
 at::Tensor decode_q8(const at::Tensor& q, const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
                      const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& k_scale,
                      const at::Tensor& v_scale, const at::Tensor& table, const at::Tensor& rows,
@@ -47,17 +59,11 @@ at::Tensor decode_q8(const at::Tensor& q, const std::optional<at::Tensor>& cos, 
     po = at::empty({b, hq, splits, d}, q.options().dtype(at::kFloat));
     pml = at::empty({b, hq, splits, 2}, q.options().dtype(at::kFloat));
   }
-  // The kernel reads q, cos and sin 16 bytes at a time: their rows must start 16-byte aligned (a fresh copy if not).
-  auto rows16 = [](const at::Tensor& t) {
-    const bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(-1) == 1 &&
-                    (t.dim() < 2 || t.stride(-2) % 8 == 0) && (t.dim() < 3 || t.stride(-3) % 8 == 0);
-    return ok ? t : t.clone(at::MemoryFormat::Contiguous);
-  };
-  const at::Tensor qa = rows16(q);
+  const at::Tensor qa = copyable_rows(q);  // the kernel reads q, cos and sin 16 bytes at a time
   at::Tensor c, s;
   if (new_kv) {
-    c = rows16(cos->contiguous());
-    s = rows16(sin->contiguous());
+    c = copyable_rows(cos->contiguous());
+    s = copyable_rows(sin->contiguous());
     TORCH_CHECK(c.scalar_type() == q.scalar_type() && s.scalar_type() == q.scalar_type() && c.size(-1) == d,
                 "cos and sin must be [B, D] in q's dtype");
   }
@@ -160,15 +166,6 @@ onecopy_native::PackedGemmPlan gemm_plan_for(int64_t m, int64_t n, int64_t k, in
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   return plan.rows > 0 && 2 * plan.row_blocks * plan.col_blocks >= sms ? plan : none;
-}
-
-bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
-
-// x's rows as the kernels copy them, 16 bytes at a time: unit inner stride, rows 8 values apart, an aligned start
-// (a contiguous view that starts off 16 bytes is copied: .contiguous() would return it as it is).
-at::Tensor copyable_rows(const at::Tensor& x) {
-  if (x.stride(1) == 1 && x.stride(0) % 8 == 0 && aligned16(x)) return x;
-  return x.is_contiguous() ? x.clone() : x.contiguous();
 }
 
 // A packed weight's float32 scales (and mins) for [N, K] in groups of `group`: the checks every packed op makes.
