@@ -245,17 +245,13 @@ class Scheduler:
             if not fits:
                 blocked = blocked or req.starts_empty
                 continue  # waits for KV blocks (requests end and give theirs back)
-            if req.needs_row and self.rows.free_rows == 0 and self.reclaimer is None:
-                rows_out = True
-                continue  # waits for a row; requests on their own session may still go ahead
             at = self._dequeue(req)  # out of the queue before a row changes hands (see `backlog`)
             if req.needs_row:
-                if self.rows.free_rows == 0 and not self.reclaimer.reclaim():
+                if self.rows.free_rows == 0 and not (self.reclaimer is not None and self.reclaimer.reclaim()):
                     with self._queue_lock:
-                        self._waiting.insert(at, req)
-                        self._waiting_with_row += not req.needs_row
+                        self._waiting.insert(at, req)  # it needs a row: not counted in _waiting_with_row
                     rows_out = True
-                    continue
+                    continue  # waits for a row; requests on their own session may still go ahead
                 req.lease = self.rows.take()
             first = not req.admitted
             if first:
