@@ -112,7 +112,7 @@ def reference_gpu(device_name: str) -> str | None:
 def bench_throughput(engine: Any, points: list[tuple[int, int]], requests: int | None, *, command: str,
                      out: Path | None = None, png: Path | None = None, prefill: str = "batched") -> dict[str, Any]:
     """Every point in turn on one engine; the JSON (written to ``out``) and a bar chart (``png``).
-    ``requests``: per point (None: TensorRT-LLM's count there, `point_requests`). ``prefill``: one of
+    ``requests``: per point (None: `point_requests`' default; each point's JSON says its count). ``prefill``: one of
     `PREFILL_MODES` (batched chunks where the bundle's prefill takes them)."""
     import json
 
@@ -121,8 +121,7 @@ def bench_throughput(engine: Any, points: list[tuple[int, int]], requests: int |
     device = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu"
     gpu = reference_gpu(device) if engine.device.type == "cuda" else None
     res: dict[str, Any] = {"command": command, "device": device, "torch": torch.__version__, "bundle": str(engine.path),
-                           "requests": requests if requests is not None else "TensorRT-LLM's per point",
-                           "rows": engine.max_sessions, "pool_sizing": engine.pool_sizing,
+                           "requests": requests, "rows": engine.max_sessions, "pool_sizing": engine.pool_sizing,
                            "reference": ("TensorRT-LLM v1.0 published, Llama-3.1-8B FP8, output tok/s per GPU, "
                                          f"{gpu}" if gpu else None), "points": []}
     if prefill not in PREFILL_MODES:
@@ -177,7 +176,7 @@ def plot(res: dict[str, Any], png: Path) -> None:
 
 
 def print_table(res: dict[str, Any]) -> None:
-    print(f"requests at once per point: {res['requests']}, on {res['device']} ({res['rows']} rows; {res['pool_sizing']})")
+    print(f"requests at once (per point below) on {res['device']} ({res['rows']} rows; {res['pool_sizing']})")
     print(f"{'in/out':>11} {'requests':>8} {'tok/s':>9} {'req/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
           f"{'ITL p99':>8} "
           f"{'batch':>6} {'rows':>5} {'blocks':>7} {'preempt':>7} {'prefill':>9} {'pf s':>6} {'dec s':>6} "
