@@ -12,6 +12,10 @@ adds), and the rest; plus the wall time of a replay, whose excess over the kerne
 between kernels. The layers of the 8-layer preset have the 8B shape, so per-layer figures carry over.
 With ``--bundle`` naming an exported bundle it is profiled as it is (e.g. a 32-layer one with an 8-bit KV
 cache): ``--sessions 256 --context 1024`` is a saturated step's breakdown.
+
+With ``--prefill T`` it profiles a batched prefill call instead (`Runner.prefill_chunks`): ``--sessions`` chunks of
+T prompt ids each, every one on its own row from position ``--context`` (0: fresh prompts), e.g. ``--sessions 64
+--prefill 128 --context 0`` is one call of TensorRT-LLM's 128/128 point at a token budget of 8192.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 import onecopy  # noqa: E402
 from onecopy.bench.decode import batched_step_ms, weight_layouts  # noqa: E402
+from onecopy.runtime.plan import PrefillChunk  # noqa: E402
 
 KINDS = [("attention_split", r"split_kernel"), ("attention_merge", r"merge_kernel"), ("small_linear", r"linear_kernel"),
          ("gemm", r"gemm|gemv|cutlass|nvjet|sm90_|cublas|splitK|reduce_kernel|f8f8bf16"), ("inductor_fused", r"^triton_")]
@@ -41,6 +46,19 @@ def kind(name: str) -> str:
     return "other"
 
 
+def timed_ms(step, steps: int, warmup: int) -> float:
+    """Mean device time of ``step()`` over ``steps`` calls, after ``warmup`` (events around the loop)."""
+    for _ in range(warmup):
+        step()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--source", default="llama3-8b-8l")
@@ -49,6 +67,7 @@ def main() -> None:
     ap.add_argument("--bundle", default="/tmp/onecopy-profile")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--sessions", type=int, default=1, help="rows decoded in one step, each at --context")
+    ap.add_argument("--prefill", type=int, default=0, help="profile a batched prefill of this many ids a row instead")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     bundle = Path(a.bundle)
@@ -58,15 +77,26 @@ def main() -> None:
         sessions = [engine.open_session() for _ in range(a.sessions)]
         with engine.lock:  # each row's own blocks (paged KV), as a prefill would have taken them
             for s in sessions:
-                engine.sessions._prepare(s, 0, a.context + 1)
+                engine.sessions._prepare(s, 0, a.context + max(a.prefill, 1))
                 s.position = a.context
             engine.runner.apply(engine.scheduler.ops.take())
         rows, pos = [s.row for s in sessions], [s.position for s in sessions]
         tok = torch.ones(len(rows), dtype=torch.long, device="cuda")
-        step_ms = batched_step_ms(engine, sessions, steps=a.steps, warmup=10)
+        if a.prefill:
+            gen = torch.Generator().manual_seed(0)  # real-looking ids: the embedding rows differ
+            ids = torch.randint(100, 20000, (len(rows), a.prefill), generator=gen).tolist()
+            chunks = [PrefillChunk(None, r, a.context, t) for r, t in zip(rows, ids)]
+
+            def step() -> None:
+                engine.runner.prefill_chunks(chunks)
+            step_ms = timed_ms(step, a.steps, warmup=3)
+        else:
+            def step() -> None:
+                engine.runner.decode(rows, pos, tok)
+            step_ms = batched_step_ms(engine, sessions, steps=a.steps, warmup=10)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(a.steps):
-                engine.runner.decode(rows, pos, tok)
+                step()
             torch.cuda.synchronize()
         n_layers = engine.manifest.config["n_layers"]
         kv_storage = engine.memory_report().kv_dtype
@@ -93,9 +123,10 @@ def main() -> None:
     busy_us = sum(k["us_per_step"] for k in kernels.values())
     res = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "source": a.source, "n_layers": n_layers, "context": a.context,
-           "sessions": a.sessions, "kv_storage": kv_storage, "weight_layouts": layouts,
-           "tok_s": round(1000 * a.sessions / step_ms, 1),
-           "max_seq_len": max_seq_len, "step_ms_graph_replay": round(step_ms, 4),
+           "sessions": a.sessions, "prefill": a.prefill, "kv_storage": kv_storage, "weight_layouts": layouts,
+           "tok_s": round(1000 * a.sessions * max(a.prefill, 1) / step_ms, 1),
+           "max_seq_len": max_seq_len, "step_ms_graph_replay": round(step_ms, 4),  # a prefill: one eager call
+           "call": "prefill_chunks" if a.prefill else "decode graph replay",
            "kernel_busy_ms": round(busy_us / 1000, 4), "gaps_ms": round(step_ms - busy_us / 1000, 4),
            "by_kind": {k: {"us_per_step": round(v["us_per_step"], 1), "calls_per_step": round(v["calls_per_step"], 1),
                            "us_per_layer": round(v["us_per_step"] / n_layers, 2)} for k, v in by_kind.items()},

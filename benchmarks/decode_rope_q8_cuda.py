@@ -33,11 +33,16 @@ POINTS = ((1, 1024, 2048), (1, 4096, 8192), (16, 1024, 2048), (64, 1024, 2048), 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--points", default=",".join(f"{b}x{c}x{p}" for b, c, p in POINTS),
+                    help="BATCHxCONTEXTxPOOL,...: e.g. 1024x200x256 is a saturated 128/128 step")
+    ap.add_argument("--formats", default="int8,fp8")
+    ap.add_argument("--native-only", action="store_true", help="time the native kernel alone (e.g. under ncu)")
     a = ap.parse_args()
+    points = [tuple(int(v) for v in pt.split("x")) for pt in a.points.split(",")]
     res = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "shape": {"heads": HQ, "kv_heads": HKV, "head_dim": D, "page": BS}, "runs": []}
-    for fmt in ("int8", "fp8"):
-        for b, ctx, pool in POINTS:
+    for fmt in a.formats.split(","):
+        for b, ctx, pool in points:
             nb = (b + 1) * pool // BS
             qkv = torch.randn(b, (HQ + 2 * HKV) * D, device="cuda", dtype=torch.bfloat16)
             angles = torch.rand(b, D // 2, device="cuda") * 6
@@ -48,12 +53,16 @@ def main() -> None:
             vq, vs = kv_quant.quantize(torch.randn(nb, HKV, BS, D, device="cuda", dtype=torch.bfloat16), dtype)
             rows, pos = torch.arange(b, device="cuda"), torch.full((b,), ctx - 1, device="cuda")
             us = {nat: 1000 * bench(lambda: kernels.paged_decode_attention_rope_q8(
-                qkv, cos, sin, kq, vq, ks, vs, table, rows, pos, native=nat), 200) for nat in (False, True)}
+                qkv, cos, sin, kq, vq, ks, vs, table, rows, pos, native=nat), 200)
+                  for nat in ((True,) if a.native_only else (False, True))}
+            us.setdefault(False, float("nan"))
+            kv_bytes = b * HKV * (ctx - 1) * (2 * D + 8)  # K and V bytes and their scales, each read once
             r = {"kv": fmt, "batch": b, "context": ctx, "pool": pool, "triton_us": round(us[False], 1),
-                 "native_us": round(us[True], 1), "speedup_native": round(us[False] / us[True], 2)}
+                 "native_us": round(us[True], 1), "speedup_native": round(us[False] / us[True], 2),
+                 "native_tb_s": round(kv_bytes / us[True] / 1e6, 3)}
             res["runs"].append(r)
             print(f"{fmt} B={b} ctx={ctx} pool={pool}: triton {r['triton_us']} us, native {r['native_us']} us, "
-                  f"x{r['speedup_native']}", flush=True)
+                  f"x{r['speedup_native']}, native {r['native_tb_s']} TB/s of KV", flush=True)
     if a.out:
         a.out.write_text(json.dumps(res, indent=1))
 
