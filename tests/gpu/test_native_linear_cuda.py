@@ -342,6 +342,44 @@ def test_native_fp8_kernel_quantizes_every_value_as_quantize_rows():
         assert torch.equal(got, (q.float() * s).to(torch.bfloat16)), trial
 
 
+def test_native_fp8_glu_linear_quantizes_the_swiglu_rows_in_one_pass():
+    """fp8_glu_linear(x [M, 2K], w) is fp8_linear(silu(gate) * up, w): up to 8 rows the SwiGLU rows made in one
+    kernel for the GEMV, past that made and quantized in one kernel for ``_scaled_mm``. An identity weight shows the
+    e4m3 rows: those `quantize_rows` gives the eager products (silu, then the product, each rounded to bf16), but
+    for the rare product that the kernel's exp rounds to the other bf16 neighbour. A view whose rows are not
+    16-byte aligned takes ATen's ops: bit for bit the unfused op on the eager products."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores: sm_89+")
+    from onecopy.kernels import native
+    from onecopy.models.packed import quantize_rows
+    from onecopy.models.quantize import quantize_weight
+
+    torch.manual_seed(0)
+    for k in (4096, 14336):
+        eye = torch.eye(k, device="cuda").to(torch.float8_e4m3fn)
+        ones = torch.ones(k, device="cuda")
+        for m in (1, 3, 8, 9, 64):
+            x = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16) * 3
+            gate, up = x.split([k, k], dim=-1)
+            q, s = quantize_rows(F.silu(gate) * up)
+            got = native.fp8_glu_linear(x, eye, ones)
+            want = (q.float() * s).to(torch.bfloat16)
+            assert got.shape == (m, k) and got.dtype == torch.bfloat16
+            assert float((got != want).float().mean()) < 1e-3, (k, m)
+            assert float((got.float() - want.float()).abs().max()) <= 0.125 * float(want.float().abs().max()), (k, m)
+    w = quantize_weight(torch.randn(4096, 14336) / 14336 ** 0.5, "fp8", 14336)
+    qw, sw = w.qweight.cuda(), w.scales.cuda()
+    wide = torch.randn(40, 2 * 14336 + 8, device="cuda", dtype=torch.bfloat16)
+    for m in (5, 40):
+        x = wide[:m, 1:1 + 2 * 14336]  # rows 2 bytes past 16-byte alignment
+        gate, up = x.split([14336, 14336], dim=-1)
+        assert torch.equal(native.fp8_glu_linear(x, qw, sw), native.fp8_linear(F.silu(gate) * up, qw, sw)), m
+        x = wide[:m, :2 * 14336].contiguous()
+        gate, up = x.split([14336, 14336], dim=-1)
+        got, want = native.fp8_glu_linear(x, qw, sw).double(), native.fp8_linear(F.silu(gate) * up, qw, sw).double()
+        assert float((got - want).norm() / want.norm()) < 1e-2, m
+
+
 @pytest.fixture(scope="module")
 def int4_native(tmp_path_factory):
     return onecopy.export("tiny-llama", tmp_path_factory.mktemp("b") / "int4", max_seq_len=128, device="cuda",

@@ -110,6 +110,15 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.
     return torch.ops.onecopy_native.fp8_linear(x, w, scales.reshape(-1))
 
 
+def fp8_glu_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`fp8_linear` of the SwiGLU rows silu(x[:, :K]) * x[:, K:] of a gate/up output x [M, 2K] and an e4m3 weight
+    [N, K]: the rows made and quantized in one kernel (up to 8 rows made in x's dtype for the FP8 GEMV).
+    Not yet what `layers.swiglu` runs: routed through it, the tiny FP8 bundle's greedy tokens left its eager model's
+    on an H200 though this op matched its reference (benchmarks/results/gpu_tests_fp8_glu_h200.txt)."""
+    load()
+    return torch.ops.onecopy_native.fp8_glu_linear(x, w, scales.reshape(-1))
+
+
 def supported(head_dim: int, group: int, kv_dtype: torch.dtype, device: torch.device | str = "cuda") -> bool:
     """True when the 8-bit decode kernel serves this shape on ``device``: head_dim 64 or 128, up to 8 query
     heads per KV head, sm_80+ (fp8 values: sm_89+), nvcc on the PATH (or the library already loaded)."""
@@ -190,5 +199,9 @@ def _register_fakes() -> None:
                                  dtype=torch.float16 if half else torch.bfloat16)
 
     @torch.library.register_fake(f"{LIBRARY}::fp8_linear")
+    def _(x, w, ws):
+        return x.new_empty((x.shape[0], w.shape[0]))
+
+    @torch.library.register_fake(f"{LIBRARY}::fp8_glu_linear")
     def _(x, w, ws):
         return x.new_empty((x.shape[0], w.shape[0]))

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "decode_q8.h"
@@ -356,37 +357,69 @@ std::tuple<at::Tensor, at::Tensor> packed_linear(const at::Tensor& x_in, const a
   return {out, ss_out};
 }
 
+// x's rows [M, K] (bf16/fp16), or with `glu` the SwiGLU rows of a gate/up output x [M, 2K], quantized to e4m3 as
+// models/packed.py's quantize_rows does, with their float32 scales [M, 1]: one kernel where the rows are aligned
+// (K a multiple of 8, 16-byte rows), else ATen's ops.
+std::pair<at::Tensor, at::Tensor> quantized_rows(const at::Tensor& x, int64_t k, bool glu) {
+  const int64_t m = x.size(0);
+  const bool aligned = k % 8 == 0 && x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
+                       reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && (!glu || k <= onecopy_native::kGluMaxK);
+  if (!aligned) {
+    auto xf = (glu ? at::silu(x.narrow(1, 0, k)) * x.narrow(1, k, k) : x).to(at::kFloat);
+    auto s = xf.abs().amax({-1}, true).clamp_min(1e-12) / 448.0;
+    return {(xf / s).clamp(-448.0, 448.0).to(at::kFloat8_e4m3fn), s};
+  }
+  auto q = at::empty({m, k}, x.options().dtype(at::kFloat8_e4m3fn));
+  auto s = at::empty({m, 1}, x.options().dtype(at::kFloat));
+  onecopy_native::QuantizeRowsParams qp{};
+  qp.x = x.data_ptr();
+  qp.stride_x = x.stride(0);
+  qp.q = q.data_ptr();
+  qp.scales = s.data_ptr<float>();
+  qp.m = static_cast<int>(m); qp.k = static_cast<int>(k);
+  qp.bf16 = x.scalar_type() == at::kBFloat16;
+  qp.glu = glu;
+  check_launch(onecopy_native::quantize_rows_launch(qp, c10::cuda::getCurrentCUDAStream().stream()), "quantize_rows");
+  return {q, s};
+}
+
+// The SwiGLU rows of a gate/up output x [M, 2K] in x's dtype (the FP8 kernel's input): one kernel where aligned.
+at::Tensor glu_rows(const at::Tensor& x, int64_t k) {
+  const bool aligned = k % 8 == 0 && x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
+                       reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+  if (!aligned) return at::silu(x.narrow(1, 0, k)) * x.narrow(1, k, k);
+  auto out = at::empty({x.size(0), k}, x.options());
+  onecopy_native::QuantizeRowsParams qp{};
+  qp.x = x.data_ptr();
+  qp.stride_x = x.stride(0);
+  qp.out = out.data_ptr();
+  qp.stride_o = out.stride(0);
+  qp.m = static_cast<int>(x.size(0)); qp.k = static_cast<int>(k);
+  qp.bf16 = x.scalar_type() == at::kBFloat16;
+  qp.glu = true;
+  check_launch(onecopy_native::quantize_rows_launch(qp, c10::cuda::getCurrentCUDAStream().stream()), "glu_rows");
+  return out;
+}
+
 // x's rows quantized to e4m3 (models/packed.py's quantize_rows) times an FP8 weight [N, K] (e4m3, a float32 scale
 // per output feature): the GEMV kernel for up to kFp8MaxRows (8) rows (it quantizes the rows as it reads them),
-// the same quantization in ATen and torch._scaled_mm (cuBLAS) for more.
-at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ws) {
-  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) &&
-                  w.scalar_type() == at::kFloat8_e4m3fn && w.dim() == 2 && x.size(1) == w.size(1) &&
-                  ws.scalar_type() == at::kFloat && ws.numel() == w.size(0),
-              "fp8_linear takes bf16/fp16 rows [M, K] and an e4m3 weight [N, K] with float32 scales [N]");
+// the same quantization in one kernel and torch._scaled_mm (cuBLAS) for more. With `glu` x is a gate/up output
+// [M, 2K] and the rows are its SwiGLU (fp8_glu_linear).
+at::Tensor fp8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ws, bool glu) {
   const int64_t m = x.size(0), n = w.size(0), k = w.size(1);
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) &&
+                  w.scalar_type() == at::kFloat8_e4m3fn && w.dim() == 2 && x.size(1) == (glu ? 2 * k : k) &&
+                  ws.scalar_type() == at::kFloat && ws.numel() == n,
+              glu ? "fp8_glu_linear takes a bf16/fp16 gate/up output [M, 2K] and an e4m3 weight [N, K] with float32 "
+                    "scales [N]"
+                  : "fp8_linear takes bf16/fp16 rows [M, K] and an e4m3 weight [N, K] with float32 scales [N]");
   c10::cuda::CUDAGuard guard(x.device());
   auto xc = x.stride(1) == 1 && x.stride(0) % 8 == 0 ? x : x.contiguous();
   if (m > onecopy_native::kFp8MaxRows || !onecopy_native::fp8_linear_supported(static_cast<int>(n), static_cast<int>(k))) {
-    at::Tensor q, s;
-    if (k % 8 == 0 && reinterpret_cast<uintptr_t>(xc.data_ptr()) % 16 == 0) {  // one kernel
-      q = at::empty({m, k}, x.options().dtype(at::kFloat8_e4m3fn));
-      s = at::empty({m, 1}, x.options().dtype(at::kFloat));
-      onecopy_native::QuantizeRowsParams qp{};
-      qp.x = xc.data_ptr();
-      qp.stride_x = xc.stride(0);
-      qp.q = q.data_ptr();
-      qp.scales = s.data_ptr<float>();
-      qp.m = static_cast<int>(m); qp.k = static_cast<int>(k);
-      qp.bf16 = x.scalar_type() == at::kBFloat16;
-      check_launch(onecopy_native::quantize_rows_launch(qp, c10::cuda::getCurrentCUDAStream().stream()), "quantize_rows");
-    } else {
-      auto xf = x.to(at::kFloat);
-      s = xf.abs().amax({-1}, true).clamp_min(1e-12) / 448.0;
-      q = (xf / s).clamp(-448.0, 448.0).to(at::kFloat8_e4m3fn);
-    }
+    auto [q, s] = quantized_rows(xc, k, glu);
     return at::_scaled_mm(q, w.t(), s, ws.reshape({1, n}), std::nullopt, std::nullopt, x.scalar_type());
   }
+  if (glu) xc = glu_rows(xc, k);
   auto wc = w.contiguous();
   auto wsc = ws.contiguous();
   auto out = at::empty({m, n}, x.options());
@@ -403,6 +436,13 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   return out;
 }
 
+at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ws) { return fp8_matmul(x, w, ws, false); }
+
+// w2's product in a SwiGLU MLP: x [M, 2K] the gate/up GEMM's output, silu(gate) * up quantized in one pass.
+at::Tensor fp8_glu_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ws) {
+  return fp8_matmul(x, w, ws, true);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(onecopy_native, m) {
@@ -416,6 +456,7 @@ TORCH_LIBRARY(onecopy_native, m) {
   m.def("unpack_weight(Tensor qweight, Tensor scales, Tensor? mins, int layout, int group, bool half) -> Tensor");
   m.def("packed_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int layout, int group) -> Tensor");
   m.def("fp8_linear(Tensor x, Tensor w, Tensor ws) -> Tensor");
+  m.def("fp8_glu_linear(Tensor x, Tensor w, Tensor ws) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(onecopy_native, CUDA, m) {
@@ -425,4 +466,5 @@ TORCH_LIBRARY_IMPL(onecopy_native, CUDA, m) {
   m.impl("unpack_weight", &unpack_weight);
   m.impl("packed_gemm", &packed_gemm);
   m.impl("fp8_linear", &fp8_linear);
+  m.impl("fp8_glu_linear", &fp8_glu_linear);
 }

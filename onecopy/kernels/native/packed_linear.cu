@@ -685,6 +685,62 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(QuantizeRowsPar
   }
 }
 
+// quantize_rows_kernel's quantization of SwiGLU rows (QuantizeRowsParams::glu): one pass over the gate/up
+// output, the row's products kept in shared memory (K values in x's dtype) between the max and the
+// quantization. Unfused, Inductor's SwiGLU kernel wrote the products and quantize_rows read them back: at
+// 8192 rows of the 8B shape 1.5x the bytes, in two kernels (benchmarks/decode_profile_cuda.py --prefill).
+__device__ __forceinline__ uint16_t half_bits(float v, bool bf16) {
+  return bf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(v)) : __half_as_ushort(__float2half_rn(v));
+}
+
+__global__ void __launch_bounds__(kThreads) glu_quantize_rows_kernel(QuantizeRowsParams p) {
+  extern __shared__ uint4 products[];  // K values in x's dtype, 8 a word
+  __shared__ float wmax[kWarps];
+  const uint16_t* x = static_cast<const uint16_t*>(p.x) + blockIdx.x * p.stride_x;
+  uint16_t* out = p.q == nullptr ? static_cast<uint16_t*>(p.out) + blockIdx.x * p.stride_o : nullptr;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float a = 0.f;
+  for (int i = threadIdx.x * 8; i < p.k; i += kThreads * 8) {
+    const uint4 gv = *reinterpret_cast<const uint4*>(x + i), uv = *reinterpret_cast<const uint4*>(x + p.k + i);
+    const uint16_t* g = reinterpret_cast<const uint16_t*>(&gv);
+    const uint16_t* u = reinterpret_cast<const uint16_t*>(&uv);
+    uint4 yv;
+    uint16_t* y = reinterpret_cast<uint16_t*>(&yv);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float gf = half_f(g[e], p.bf16);
+      const float silu = half_f(half_bits(gf / (1.f + __expf(-gf)), p.bf16), p.bf16);
+      y[e] = half_bits(silu * half_f(u[e], p.bf16), p.bf16);
+      a = fmaxf(a, fabsf(half_f(y[e], p.bf16)));
+    }
+    if (out != nullptr) {
+      *reinterpret_cast<uint4*>(out + i) = yv;
+    } else {
+      products[i / 8] = yv;
+    }
+  }
+  if (out != nullptr) return;
+#pragma unroll
+  for (int o = 16; o >= 1; o /= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+  if (lane == 0) wmax[warp] = a;
+  __syncthreads();  // also: every product is in shared memory
+  a = 0.f;
+#pragma unroll
+  for (int i = 0; i < kWarps; ++i) a = fmaxf(a, wmax[i]);
+  const float s = fmaxf(a, 1e-12f) * (1.f / 448.f);
+  if (threadIdx.x == 0) p.scales[blockIdx.x] = s;
+  uint8_t* q = static_cast<uint8_t*>(p.q) + static_cast<int64_t>(blockIdx.x) * p.k;
+  for (int i = threadIdx.x * 8; i < p.k; i += kThreads * 8) {
+    const uint4 v = products[i / 8];
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(&v);
+    const uint32_t lo = to_e4m3x4(half_f(h[0], p.bf16) / s, half_f(h[1], p.bf16) / s, half_f(h[2], p.bf16) / s,
+                                  half_f(h[3], p.bf16) / s);
+    const uint32_t hi = to_e4m3x4(half_f(h[4], p.bf16) / s, half_f(h[5], p.bf16) / s, half_f(h[6], p.bf16) / s,
+                                  half_f(h[7], p.bf16) / s);
+    *reinterpret_cast<uint2*>(q + i) = make_uint2(lo, hi);
+  }
+}
+
 // One thread per 16-byte word of the tile order: its values dequantized in fp32 (s * q, + m), one rounding.
 template <int L>
 __global__ void unpack_kernel(UnpackParams p) {
@@ -903,9 +959,18 @@ int fp8_linear_launch(const Fp8LinearParams& p, cudaStream_t stream) {
 }
 
 int quantize_rows_launch(const QuantizeRowsParams& p, cudaStream_t stream) {
-  if (p.k <= 0 || p.k % 8 != 0 || p.m < 0) return -1;
+  if (p.k <= 0 || p.k % 8 != 0 || p.m < 0 || (p.glu && p.k > kGluMaxK)) return -1;
   if (p.m == 0) return 0;
-  quantize_rows_kernel<<<p.m, kThreads, 0, stream>>>(p);
+  if (!p.glu) {
+    quantize_rows_kernel<<<p.m, kThreads, 0, stream>>>(p);
+    return static_cast<int>(cudaGetLastError());
+  }
+  const int smem = p.q == nullptr ? 0 : p.k * 2;
+  if (smem > 48 * 1024) {  // past the default limit: opted in per launch (cheap; the attribute is per function)
+    const cudaError_t e = cudaFuncSetAttribute(glu_quantize_rows_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return static_cast<int>(e);
+  }
+  glu_quantize_rows_kernel<<<p.m, kThreads, smem, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 

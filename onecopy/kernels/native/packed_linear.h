@@ -53,6 +53,10 @@ struct Fp8LinearParams {
 
 // Each row of x [M, K] (bf16, or fp16 with `bf16` false; 16-byte aligned rows, K a multiple of 8) quantized to
 // e4m3 `q` [M, K] (contiguous) with its float32 scale `scales` [M], as the FP8 kernel quantizes its rows.
+// With `glu`, x [M, 2K] is a gate/up GEMM's output and the rows quantized are its SwiGLU, silu(x[:, :K]) *
+// x[:, K:] (the silu and the product each rounded to x's dtype, as the eager ops and the packed kernels' folds
+// round them); with `q` null those rows are written to `out` [M, K] in x's dtype instead (the FP8 kernel's
+// input, which it quantizes as it reads).
 struct QuantizeRowsParams {
   const void* x;
   int64_t stride_x;
@@ -60,6 +64,9 @@ struct QuantizeRowsParams {
   float* scales;
   int m, k;
   bool bf16;
+  bool glu;
+  void* out;
+  int64_t stride_o;
 };
 
 // A tile-ordered packed weight [N, K] dequantized to `out` (row-major, bf16 or fp16): s * q (+ m) in fp32,
@@ -82,6 +89,8 @@ constexpr int kKernelMaxRows = 32;
 // the kernel's two n-tiles measured 1.3-1.6x cuBLAS's time on the 4096-wide projections, H200,
 // results/native_linear_fp8_h200.json).
 constexpr int kFp8MaxRows = 8;
+// Widest SwiGLU rows the fused quantization takes (their K products in shared memory: 2 bytes each, 96 KiB).
+constexpr int kGluMaxK = 48 * 1024;
 
 // Whether the kernels take this weight: layout, group, shape (N a multiple of 16, K of the layout's chunk).
 bool packed_linear_supported(int layout, int group, int n, int k);
