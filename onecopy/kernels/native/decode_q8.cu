@@ -282,7 +282,12 @@ __global__ void __launch_bounds__(kWarps * 32) decode_q8_kernel(const DecodeQ8Pa
   for (int e = 0; e < 2; ++e) colscale[e] = __shfl_sync(0xffffffffu, qmax, (2 * t + e) * 4) * p.scale * kLog2e;
 
   __shared__ float sm_m[kWarps][8], sm_l[kWarps][8];
-  __shared__ float sm_acc[kWarps][8][D];
+  // The warps' accumulators by head: head h's d at h * kAccRow + d + d / 16. A store of the combine writes d = 16 g
+  // + 2 i of heads 2 t + e from the 32 lanes; with rows D apart those fell in 2 banks (ncu, 1024 rows x 200
+  // positions: 11-way conflicts, 85% of the kernel's shared-store wavefronts); rows 24 mod 32 banks apart and the
+  // 16-value runs skewed by one bank put the 32 lanes in 32 banks (D = 128; at most 2 a bank for D = 64).
+  constexpr int kAccRow = D + 12;
+  __shared__ float sm_acc[kWarps][8 * kAccRow];
   // The new position: its score per head (log2 units), its v scale, its v and k values (as stored, dequantized
   // up to the scale)
   __shared__ float sm_new[8 + 1 + 2 * D];
@@ -478,8 +483,8 @@ __global__ void __launch_bounds__(kWarps * 32) decode_q8_kernel(const DecodeQ8Pa
     const int d = (D / 8) * g + 2 * i;
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      sm_acc[warp][2 * t + e][d] = acc[i][e] * wself[e];
-      sm_acc[warp][2 * t + e][d + 1] = acc[i][2 + e] * wself[e];
+      sm_acc[warp][(2 * t + e) * kAccRow + d + d / 16] = acc[i][e] * wself[e];  // d and d + 1: one 16-run
+      sm_acc[warp][(2 * t + e) * kAccRow + d + 1 + d / 16] = acc[i][2 + e] * wself[e];
     }
   }
   __syncthreads();
@@ -494,7 +499,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_q8_kernel(const DecodeQ8Pa
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) {
         L += sm_l[w][hd] * fast_exp2(sm_m[w][hd] - M);
-        o += sm_acc[w][hd][d];
+        o += sm_acc[w][hd * kAccRow + d + d / 16];
       }
     }
     if constexpr (NEW) {
