@@ -93,7 +93,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     name = a.model_name or a.source or read_manifest(bundle).build.get("source") or bundle.name
     config = ServerConfig(model_name=str(name), api_key=a.api_key, max_body_bytes=a.max_body_bytes,
                           conversation_cache=not a.no_conversation_cache, conversation_ttl_s=a.conversation_ttl,
-                          max_conversations=a.max_conversations)
+                          max_conversations=a.max_conversations, state_dir=a.state_dir)
     if a.host not in ("127.0.0.1", "localhost", "::1") and not a.api_key:
         print(f"onecopy: warning: serving on {a.host} without --api-key: anyone who reaches this port can use it",
               file=sys.stderr)
@@ -357,6 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "finished chats' sessions; prefill every chat's history again")
     v.add_argument("--conversation-ttl", type=float, default=600.0, help="seconds an idle conversation is kept")
     v.add_argument("--max-conversations", type=int, help="idle conversations kept (default: as rows allow)")
+    v.add_argument("--state-dir", help="keep /v1/responses here too: a restarted server (or another replica on the "
+                                       "same directory) continues them")
     v.add_argument("--replicas", type=int, metavar="N",
                    help="serve from N engines on Ray Serve, one per GPU (or per CPU): pip install 'onecopy[ray]'")
     v.add_argument("--ray-address", metavar="auto|ADDR",

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP layer over an Engine's scheduler (FastAPI; streaming as server-sent events).
 
-Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions, POST
-/v1/audio/transcriptions (speech bundles), GET /health, GET /metrics. Every request is one
+Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (and GET /
+DELETE /v1/responses/{id}, GET .../input_items: `responses`), POST /v1/audio/transcriptions (speech bundles),
+GET /health, GET /metrics. Every request is one
 scheduler request; this module only translates, streams and keeps finished conversations.
 """
 
@@ -15,7 +16,8 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -30,6 +32,8 @@ from .conversations import ConversationCache
 from .errors import APIError, bad_request, unavailable
 from .metrics import ServerMetrics
 from .protocol import GenerationRequest, check_model, parse_generation, parse_json
+from .responses import (DEFAULT_MAX_STORED, ResponseStore, ResponsesRun, StoredResponse, input_items_page,
+                        not_found, parse_response_request)
 from .text import ReplyText
 
 log = logging.getLogger(__name__)
@@ -45,6 +49,8 @@ class ServerConfig:
     conversation_cache: bool = True
     conversation_ttl_s: float = 600.0
     max_conversations: int | None = None  # None: as many as there are rows (reclaimed when rows are needed)
+    max_stored_responses: int = DEFAULT_MAX_STORED  # /v1/responses kept in memory for previous_response_id and GET
+    state_dir: str | None = None  # where stored responses also go, to outlive the process (`responses.ResponseStore`)
     retry_after_s: int = 1
 
 
@@ -207,6 +213,9 @@ class ServerState:
             self.cache = ConversationCache(config.conversation_ttl_s, config.max_conversations)
             engine.scheduler.reclaimer = self.cache
         self.metrics = ServerMetrics(engine, self.cache)
+        self.responses = ResponseStore(config.max_stored_responses,
+                                       Path(config.state_dir) / "responses" if config.state_dir else None,
+                                       engine.manifest.fingerprint())
         self.shutting_down = False
         self._transcriber = None
 
@@ -308,20 +317,23 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
                                             "owned_by": "onecopy", "max_model_len": engine.max_seq_len}]}
 
-    async def generate(request: Request, kind: str) -> Response:
-        endpoint = "chat" if kind == "chat" else "completion"
+    async def start(request: Request, endpoint: str, parse: Callable[[dict[str, Any]], Any],
+                    request_of: Callable[[Any], GenerationRequest] = lambda r: r) -> tuple[Any, _Generation]:
+        """Parse a generation body (``parse``; ``request_of`` its GenerationRequest) and submit it, continuing the
+        kept conversation its prompt starts with (chats and responses; completions leave no state); the error
+        responses of every generation endpoint, counted under ``endpoint``."""
         try:
             if state.speech:
                 raise bad_request(f"model '{config.model_name}' is a speech model: use /v1/audio/transcriptions",
                                   param="model")
-            req = parse_generation(parse_json(await read_body(request, config.max_body_bytes)), kind, engine,
-                                   config.model_name)
-            cache = state.cache if kind == "chat" else None  # conversations are chats; completions leave no state
+            parsed = parse(parse_json(await read_body(request, config.max_body_bytes)))
+            req = request_of(parsed)
+            cache = state.cache if req.kind == "chat" else None
             session, reused = cache.take(req.prompt_ids) if cache is not None else (None, 0)
             try:
                 stream = engine.submit(req.prompt_ids[reused:], req.params, session=session,
-                                   keep_session=session is None and cache is not None,
-                                   stop_ids=[] if req.ignore_eos else None)
+                                       keep_session=session is None and cache is not None,
+                                       stop_ids=[] if req.ignore_eos else None)
             except BaseException:
                 if session is not None:  # untouched: keep it for the next turn (off the event loop: it may evict)
                     await run_in_threadpool(state.cache.put, session, req.prompt_ids[:reused])
@@ -339,11 +351,16 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         except APIError as e:
             state.count(endpoint, e.status)
             raise
-        run = _Generation(state, req, stream, reused, ReplyText(engine.tokenizer, req.stop))
-        if req.stream:
-            return StreamingResponse(run.events(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return JSONResponse(await run.collect())
+        return parsed, _Generation(state, req, stream, reused, ReplyText(engine.tokenizer, req.stop))
+
+    def sse(events: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def generate(request: Request, kind: str) -> Response:
+        _, run = await start(request, "chat" if kind == "chat" else "completion",
+                             lambda body: parse_generation(body, kind, engine, config.model_name))
+        return sse(run.events()) if run.req.stream else JSONResponse(await run.collect())
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -352,6 +369,40 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await generate(request, "completion")
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        turn, run = await start(request, "responses",
+                                lambda body: parse_response_request(body, engine, config.model_name, state.responses),
+                                lambda turn: turn.req)
+        out = ResponsesRun(run, turn, state.responses)
+        return sse(out.events()) if turn.req.stream else JSONResponse(await out.collect())
+
+    def stored(response_id: str) -> StoredResponse:
+        entry = state.responses.get(response_id)
+        if entry is None:
+            state.count("responses", 404)
+            raise not_found(response_id)
+        return entry
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        return JSONResponse(stored(response_id).body)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        stored(response_id)
+        state.responses.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, order: str = "desc", limit: int = 20,
+                                    after: str | None = None) -> Response:
+        if order not in ("asc", "desc"):
+            raise bad_request("'order' must be asc or desc", param="order", code="invalid_value")
+        if not 1 <= limit <= 100:
+            raise bad_request("'limit' must be an integer in [1, 100]", param="limit", code="invalid_value")
+        return JSONResponse(input_items_page(stored(response_id), order, limit, after))
 
     @app.post("/v1/audio/transcriptions")
     async def transcriptions(request: Request) -> Response:

@@ -130,6 +130,32 @@ def _stop(body: dict) -> list[str]:
     return stops
 
 
+def generation_params(body: dict, prompt_ids: list[int], engine: Any, where: str, names: tuple[str, ...]) -> SamplingParams:
+    """The sampling parameters of a request body whose prompt is ``prompt_ids`` (in the body's field ``where``): the
+    first of ``names`` given caps the new tokens (default: the rest of the context), which must fit the model's
+    context; temperature, top_p, and the extensions top_k, seed and repetition_penalty."""
+    limit = engine.max_seq_len
+    given = [n for n in names if body.get(n) is not None]
+    max_tokens = _int(body, given[0], 1) if given else None
+    if max_tokens is None:
+        max_tokens = limit - len(prompt_ids)
+    if len(prompt_ids) + max(max_tokens, 1) > limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
+                          f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the {where}, {max_tokens} in the "
+                          f"completion). Please reduce the length of the {where} or completion.",
+                          param=given[0] if given else where, code="context_length_exceeded")
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0.0:
+        temperature, top_p = 0.0, 1.0  # nothing but the most likely token
+    try:
+        return SamplingParams(temperature=temperature, top_p=top_p, top_k=_int(body, "top_k", 0) or 0,
+                              seed=_int(body, "seed", 0, 2**63 - 1), max_new_tokens=max_tokens,
+                              repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.01, 100.0))
+    except InputError as e:
+        raise bad_request(str(e), code="invalid_value") from None
+
+
 def parse_generation(body: dict, kind: str, engine: Any, served: str) -> GenerationRequest:
     """Check a /v1/chat/completions (kind "chat") or /v1/completions body against the engine."""
     check_model(body, served)
@@ -157,21 +183,8 @@ def parse_generation(body: dict, kind: str, engine: Any, served: str) -> Generat
             raise bad_request("'prompt' must be a string or a list of token ids", param="prompt", code="invalid_value")
     if not prompt_ids:
         raise bad_request("the prompt is empty", param="messages" if kind == "chat" else "prompt", code="invalid_value")
-    limit = engine.max_seq_len
-    names = [n for n in ("max_completion_tokens", "max_tokens") if body.get(n) is not None]
-    max_tokens = _int(body, names[0], 1) if names else None
-    if max_tokens is None:
-        max_tokens = limit - len(prompt_ids)
-    if len(prompt_ids) + max(max_tokens, 1) > limit:
-        where = "messages" if kind == "chat" else "prompt"
-        raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
-                          f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the {where}, {max_tokens} in the "
-                          f"completion). Please reduce the length of the {where} or completion.",
-                          param=names[0] if names else where, code="context_length_exceeded")
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    if top_p == 0.0:
-        temperature, top_p = 0.0, 1.0  # nothing but the most likely token
+    params = generation_params(body, prompt_ids, engine, "messages" if kind == "chat" else "prompt",
+                               ("max_completion_tokens", "max_tokens"))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be true or false", param="stream", code="invalid_value")
@@ -179,12 +192,6 @@ def parse_generation(body: dict, kind: str, engine: Any, served: str) -> Generat
     if options is not None and (not stream or not isinstance(options, dict)):
         raise bad_request("'stream_options' is only allowed with stream: true, as an object", param="stream_options",
                           code="invalid_value")
-    try:
-        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=_int(body, "top_k", 0) or 0,
-                                seed=_int(body, "seed", 0, 2**63 - 1), max_new_tokens=max_tokens,
-                                repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.01, 100.0))
-    except InputError as e:
-        raise bad_request(str(e), code="invalid_value") from None
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise bad_request("'ignore_eos' must be true or false", param="ignore_eos", code="invalid_value")

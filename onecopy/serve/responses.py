@@ -1,0 +1,397 @@
+"""The OpenAI Responses API over the scheduler: a response id names the conversation after its turn.
+
+``POST /v1/responses`` takes ``input`` (text or message items), ``instructions``, ``previous_response_id``,
+``store``, ``stream`` (the Responses event stream), ``max_output_tokens`` and the sampling parameters; a stored
+response is read back with ``GET /v1/responses/{id}`` (and its input items with ``.../input_items``) and removed with
+``DELETE``. A turn on ``previous_response_id`` continues that conversation: its prompt is the previous turn's exact
+token ids (prompt and reply as generated, never re-tokenized) followed by the rendered new messages, so the state
+the previous turn left (a kept conversation, or its blocks in the prefix cache: the mechanism chat completions use)
+covers all but the new input, which is all that is prefilled. As in OpenAI's API, ``instructions`` apply to their
+own turn only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from dataclasses import fields as dataclass_fields
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from .errors import APIError, bad_request, unsupported
+from .protocol import GenerationRequest, check_model, generation_params
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_STORED = 10_000  # responses kept for previous_response_id / GET (least recently used go first)
+
+
+@dataclass
+class StoredResponse:
+    """A finished turn as the store keeps it: the response object and what the next turn builds on."""
+
+    id: str
+    body: dict[str, Any]  # the response object, as GET returns it
+    input_items: list[dict[str, Any]]  # this turn's input, with item ids
+    messages: list[dict[str, str]]  # the conversation through this turn's reply (no instructions)
+    instructions: str | None
+    prompt_text: str  # this turn's rendered prompt
+    token_ids: list[int] | None  # its prompt ids and the reply's ids (no stop id): what the next turn starts with
+    reply_text: str
+
+
+RECORD_FORMAT = "onecopy-response/1"
+_ID = re.compile(r"resp_[0-9a-f]{32}")  # what `ResponseTurn` names a response; nothing else reaches the disk
+
+
+class ResponseStore:
+    """Stored responses by id: in memory, at most ``max_entries`` (least recently used evicted), and with a
+    ``directory`` also one JSON file each there (written atomically, removed on delete), so that a server
+    started again on the same directory, or another replica sharing it, answers ``previous_response_id`` from
+    them (its first turn re-prefills the history: the device state did not survive). A file from another model
+    (``fingerprint``: the bundle's), or one that does not parse, is no response here: not found, and logged.
+    Thread-safe."""
+
+    def __init__(self, max_entries: int = DEFAULT_MAX_STORED, directory: Path | None = None,
+                 fingerprint: str = "") -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        self.max_entries, self.directory, self.fingerprint = max_entries, directory, fingerprint
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        if not _ID.fullmatch(response_id):
+            return None
+        with self._lock:
+            entry = self._entries.get(response_id)
+            if entry is not None:
+                self._entries.move_to_end(response_id)
+                return entry
+        entry = self._read(response_id)
+        if entry is not None:
+            self._remember(entry)
+        return entry
+
+    def put(self, entry: StoredResponse) -> None:
+        if self.directory is not None:
+            record = {"format": RECORD_FORMAT, "fingerprint": self.fingerprint, **asdict(entry)}
+            tmp = self.directory / f".{entry.id}.{uuid.uuid4().hex[:8]}.tmp"
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, self.directory / f"{entry.id}.json")
+        self._remember(entry)
+
+    def delete(self, response_id: str) -> bool:
+        """Forget a response, in memory and on disk; whether there was one."""
+        if not _ID.fullmatch(response_id):
+            return False
+        with self._lock:
+            found = self._entries.pop(response_id, None) is not None
+        if self.directory is not None:
+            path = self.directory / f"{response_id}.json"
+            found = found or path.is_file()
+            path.unlink(missing_ok=True)
+        return found
+
+    def _remember(self, entry: StoredResponse) -> None:
+        with self._lock:
+            self._entries[entry.id] = entry
+            self._entries.move_to_end(entry.id)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)  # its file, if any, stays: read back when asked for
+
+    def _read(self, response_id: str) -> StoredResponse | None:
+        if self.directory is None:
+            return None
+        path = self.directory / f"{response_id}.json"
+        try:
+            record = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            log.warning("stored response %s is unreadable (%s): treated as not found", path, e)
+            return None
+        if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
+            log.warning("%s is not a stored response (format %r): treated as not found", path,
+                        record.get("format") if isinstance(record, dict) else None)
+            return None
+        if record.get("fingerprint") != self.fingerprint:
+            log.warning("stored response %s belongs to another model (bundle fingerprint %s): treated as not found",
+                        path, str(record.get("fingerprint"))[:12])
+            return None
+        try:
+            fields = {f.name: record[f.name] for f in dataclass_fields(StoredResponse)}
+            entry = StoredResponse(**fields)
+        except (KeyError, TypeError) as e:
+            log.warning("stored response %s lacks %s: treated as not found", path, e)
+            return None
+        return entry if entry.id == response_id else None
+
+
+def not_found(response_id: str, param: str | None = None) -> APIError:
+    what = "Previous response" if param == "previous_response_id" else "Response"
+    return APIError(404, f"{what} with id '{response_id}' not found (never stored, deleted, or evicted from this "
+                         "server's store).", param=param, code="previous_response_not_found" if param else "not_found")
+
+
+@dataclass
+class ResponseTurn:
+    """A checked /v1/responses request: the generation to run and what its stored response will hold."""
+
+    req: GenerationRequest
+    instructions: str | None
+    input_items: list[dict[str, Any]]
+    messages: list[dict[str, str]]  # the conversation before this turn's reply (no instructions)
+    prompt_text: str
+    previous: StoredResponse | None
+    store: bool
+    metadata: dict[str, str]
+    id: str = field(default_factory=lambda: "resp_" + uuid.uuid4().hex)  # what _ID matches
+    created_at: float = field(default_factory=time.time)
+
+
+_ROLES = ("user", "assistant", "system", "developer")
+_UNSUPPORTED = {"tools": "tools (function calling)", "tool_choice": "tool_choice", "reasoning": "reasoning options",
+                "include": "include", "background": "background responses", "prompt": "prompt templates",
+                "conversation": "conversation objects (use previous_response_id)"}
+
+
+def _input_items(body: dict) -> list[dict[str, Any]]:
+    """``input`` as message items {id, type, role, content: [{type: input_text | output_text, text}]}."""
+    raw = body.get("input")
+    if isinstance(raw, str):
+        raw = [{"role": "user", "content": raw}]
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("'input' must be a non-empty string or a list of message items {role, content}", param="input",
+                          code="invalid_value")
+    items = []
+    for i, m in enumerate(raw):
+        where = f"input[{i}]"
+        if not isinstance(m, dict) or m.get("type", "message") != "message":
+            kind = m.get("type") if isinstance(m, dict) else type(m).__name__
+            raise unsupported(where, f"input items of type {kind!r} (messages only)")
+        if m.get("role") not in _ROLES:
+            raise bad_request(f"{where} needs a role of {', '.join(_ROLES)}", param=where, code="invalid_value")
+        content = m.get("content")
+        if isinstance(content, str):
+            parts = [content]
+        elif isinstance(content, list) and content and all(
+                isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text")
+                and isinstance(p.get("text"), str) for p in content):
+            parts = [p["text"] for p in content]
+        elif isinstance(content, list) and content:
+            raise unsupported(f"{where}.content", "content parts other than text")
+        else:
+            raise bad_request(f"{where}.content must be a string or a list of text parts", param=where,
+                              code="invalid_value")
+        kind = "output_text" if m["role"] == "assistant" else "input_text"
+        items.append({"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": m["role"], "status": "completed",
+                      "content": [{"type": kind, "text": t} for t in parts]})
+    return items
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name, default)
+    if not isinstance(v, bool):
+        raise bad_request(f"'{name}' must be true or false", param=name, code="invalid_value")
+    return v
+
+
+def _chat_messages(system: str | None, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    return ([{"role": "system", "content": system}] if system else []) + messages
+
+
+def parse_response_request(body: dict, engine: Any, served: str, store: ResponseStore) -> ResponseTurn:
+    """Check a /v1/responses body against the engine and the store (an unknown previous_response_id: 404)."""
+    check_model(body, served)
+    for name, what in _UNSUPPORTED.items():
+        allowed = ("auto", "none") if name == "tool_choice" else (None, [], {}, False)
+        if body.get(name, None) not in allowed + (None,):
+            raise unsupported(name, what)
+    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    if fmt not in (None, {}) and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise unsupported("text.format", "a text format other than text")
+    if body.get("truncation") not in (None, "disabled"):
+        raise unsupported("truncation", "truncation other than 'disabled'")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise bad_request("'instructions' must be a string", param="instructions", code="invalid_value")
+    metadata = body.get("metadata") or {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise bad_request("'metadata' must be an object of string values", param="metadata", code="invalid_value")
+    items = _input_items(body)
+    previous = None
+    prev_id = body.get("previous_response_id")
+    if prev_id is not None:
+        if not isinstance(prev_id, str) or not prev_id:
+            raise bad_request("'previous_response_id' must be a response id", param="previous_response_id",
+                              code="invalid_value")
+        previous = store.get(prev_id)
+        if previous is None:
+            raise not_found(prev_id, "previous_response_id")
+    if not engine.manifest.generation.get("chat_template"):
+        raise bad_request(f"model '{served}' has no chat template; use /v1/completions", param="input")
+    new = [{"role": "system" if m["role"] == "developer" else m["role"], "content": "".join(p["text"] for p in m["content"])}
+           for m in items]
+    messages = (previous.messages if previous is not None else []) + new
+    tok = engine.tokenizer
+    prompt_text = tok.apply_chat_template(_chat_messages(instructions, messages))
+    prompt_ids = None
+    if previous is not None and previous.token_ids is not None and instructions == previous.instructions:
+        # The previous turn's ids as generated, then the new text: its state covers all but the new input.
+        before = previous.prompt_text + previous.reply_text
+        if prompt_text.startswith(before):
+            prompt_ids = previous.token_ids + tok.encode(prompt_text[len(before):])
+    if prompt_ids is None:
+        prompt_ids = tok.encode(prompt_text)
+    params = generation_params(body, prompt_ids, engine, "input", ("max_output_tokens",))
+    req = GenerationRequest("chat", prompt_ids, params, [], _flag(body, "stream", False))
+    return ResponseTurn(req, instructions, items, messages, prompt_text, previous, _flag(body, "store", True), metadata)
+
+
+class ResponsesRun:
+    """One /v1/responses request in flight over a `app._Generation` (its stream, text, settlement, metrics):
+    the response object or its event stream, and the stored response once it finished."""
+
+    def __init__(self, run: Any, turn: ResponseTurn, store: ResponseStore) -> None:
+        self.run, self.turn, self.store = run, turn, store
+        self.msg_id = "msg_" + uuid.uuid4().hex
+        self.seq = 0
+
+    def response(self, status: str, text: str | None, error: APIError | None = None) -> dict[str, Any]:
+        t, req, run = self.turn, self.turn.req, self.run
+        output = []
+        if text is not None:
+            output = [{"id": self.msg_id, "type": "message", "status": "completed" if status != "in_progress" else status,
+                       "role": "assistant", "content": [{"type": "output_text", "text": text, "annotations": []}]}]
+        usage = None
+        if status in ("completed", "incomplete"):
+            u = run.usage()
+            usage = {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
+                     "total_tokens": u["total_tokens"],
+                     "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
+                     "output_tokens_details": {"reasoning_tokens": 0}}
+        return {"id": t.id, "object": "response", "created_at": t.created_at, "status": status,
+                "model": run.state.config.model_name, "output": output, "instructions": t.instructions,
+                "previous_response_id": t.previous.id if t.previous is not None else None,
+                "max_output_tokens": req.params.max_new_tokens, "temperature": req.params.temperature,
+                "top_p": req.params.top_p, "store": t.store, "metadata": t.metadata, "usage": usage,
+                "error": None if error is None else {"code": error.code or "server_error", "message": error.message},
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [], "parallel_tool_calls": False,
+                "truncation": "disabled", "reasoning": None, "user": None}
+
+    def finished(self, text: str) -> dict[str, Any]:
+        """The final response object; stored (with what the next turn builds on) unless ``store`` is false."""
+        run, t = self.run, self.turn
+        status = "completed" if run.finish_reason() == "stop" else "incomplete"
+        body = self.response(status, text)
+        if t.store:
+            ids = run.stream.ids
+            if ids and run.stream.finish_reason == "stop":
+                ids = ids[:-1]  # the stop id: sampled, not part of the reply the template renders
+            self.store.put(StoredResponse(t.id, body, t.input_items, t.messages + [{"role": "assistant", "content": text}],
+                                          t.instructions, t.prompt_text, t.req.prompt_ids + list(ids), text))
+        return body
+
+    async def collect(self) -> dict[str, Any]:
+        from starlette.concurrency import run_in_threadpool
+
+        run, pieces, failed = self.run, [], None
+        try:
+            async for token_id in run.stream:
+                pieces.append(run.reply.push(token_id))
+        except Exception as e:
+            failed = run.failure(e)
+        finally:
+            await run_in_threadpool(run.settle)
+        failed = failed or run.failure()
+        if failed is not None:
+            run.state.count("responses", failed.status, run.stream, run.reused)
+            raise failed
+        pieces.append(run.reply.flush())
+        run.state.count("responses", 200, run.stream, run.reused)
+        return self.finished("".join(pieces))
+
+    def event(self, type: str, **fields: Any) -> str:
+        obj = {"type": type, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {type}\ndata: {json.dumps(obj)}\n\n"
+
+    async def events(self) -> AsyncIterator[str]:
+        """The Responses event stream: created, in_progress, the message item and its text part opened, text deltas,
+        each closed, then completed or incomplete (failed, with its error, if the request failed)."""
+        import asyncio
+
+        run, loop = self.run, asyncio.get_running_loop()
+        finished, status = False, 200
+        where = {"item_id": self.msg_id, "output_index": 0, "content_index": 0}
+        try:
+            yield self.event("response.created", response=self.response("in_progress", None))
+            yield self.event("response.in_progress", response=self.response("in_progress", None))
+            yield self.event("response.output_item.added", output_index=0,
+                             item={"id": self.msg_id, "type": "message", "status": "in_progress", "role": "assistant",
+                                   "content": []})
+            yield self.event("response.content_part.added", **where,
+                             part={"type": "output_text", "text": "", "annotations": []})
+            pieces, failed = [], None
+            try:
+                async for token_id in run.stream:
+                    piece = run.reply.push(token_id)
+                    if piece:
+                        pieces.append(piece)
+                        yield self.event("response.output_text.delta", **where, delta=piece, logprobs=[])
+            except Exception as e:
+                failed = run.failure(e)
+            failed = failed or run.failure()
+            if failed is not None:
+                yield self.event("response.failed", response=self.response("failed", None, failed))
+                finished, status = True, failed.status
+                return
+            tail = run.reply.flush()
+            if tail:
+                pieces.append(tail)
+                yield self.event("response.output_text.delta", **where, delta=tail, logprobs=[])
+            text = "".join(pieces)
+            part = {"type": "output_text", "text": text, "annotations": []}
+            yield self.event("response.output_text.done", **where, text=text, logprobs=[])
+            yield self.event("response.content_part.done", **where, part=part)
+            yield self.event("response.output_item.done", output_index=0,
+                             item={"id": self.msg_id, "type": "message", "status": "completed", "role": "assistant",
+                                   "content": [part]})
+            body = self.finished(text)
+            yield self.event(f"response.{body['status']}", response=body)
+            finished = True
+        finally:
+            if not finished:
+                run.stream.cancel(wait=False)  # never block the event loop; the loop frees the row
+            loop.run_in_executor(None, self._settle_and_count, status if finished else 499)
+
+    def _settle_and_count(self, status: int) -> None:
+        self.run.settle()
+        self.run.state.count("responses", status, self.run.stream, self.run.reused)
+
+
+def input_items_page(entry: StoredResponse, order: str, limit: int, after: str | None) -> dict[str, Any]:
+    """GET /v1/responses/{id}/input_items: the turn's input items, ``order`` asc or desc, ``limit`` after ``after``."""
+    items = list(entry.input_items) if order == "asc" else list(reversed(entry.input_items))
+    if after is not None:
+        ids = [i["id"] for i in items]
+        if after not in ids:
+            raise bad_request(f"'after' names no input item of response '{entry.id}'", param="after", code="invalid_value")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
