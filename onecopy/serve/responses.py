@@ -247,7 +247,13 @@ def parse_response_request(body: dict, engine: Any, served: str, store: Response
            for m in items]
     messages = (previous.messages if previous is not None else []) + new
     tok = engine.tokenizer
-    prompt_text = tok.apply_chat_template(_chat_messages(instructions, messages))
+    from jinja2.exceptions import TemplateError
+
+    try:
+        prompt_text = tok.apply_chat_template(_chat_messages(instructions, messages))
+    except TemplateError as e:  # e.g. a template that takes no system message after the first turn
+        raise bad_request(f"the model's chat template refuses this conversation: {e}", param="input",
+                          code="invalid_value") from None
     prompt_ids = None
     if previous is not None and previous.token_ids is not None and instructions == previous.instructions:
         # The previous turn's ids as generated, then the new text: its state covers all but the new input.
