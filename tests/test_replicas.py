@@ -186,6 +186,21 @@ def test_conversations_stay_with_their_replica_full_rows_give_429_and_a_dead_rep
         # the previous turn's blocks, found in this replica's prefix cache (whole blocks of 16)
         assert first_prompt - 16 < usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
         where[rid] = history
+    # Responses API turns: one on a response id goes to the replica that answered it (its state is there; the other
+    # has no such response), and so does a read of it.
+    firsts = []
+    for i in range(6):
+        raw = c.responses.with_raw_response.create(model="smollm2", input=f"Name a fruit number {i}.", temperature=0,
+                                                   max_output_tokens=8)
+        firsts.append((raw.parse(), raw.headers[REPLICA_HEADER]))
+    assert len({rid for _, rid in firsts}) == 2
+    for r, rid in firsts:
+        raw = c.responses.with_raw_response.create(model="smollm2", input="Another one?", previous_response_id=r.id,
+                                                   temperature=0, max_output_tokens=8)
+        held = (r.usage.input_tokens + r.usage.output_tokens - 1) // 16 * 16
+        assert raw.headers[REPLICA_HEADER] == rid and raw.parse().usage.input_tokens_details.cached_tokens >= held
+        read = c.responses.with_raw_response.retrieve(r.id)
+        assert read.headers[REPLICA_HEADER] == rid and read.parse().output_text == r.output_text
 
     # Every row busy (4 per replica, no queue): the next request gets 429 with Retry-After, not a wait.
     streams, stop = [], threading.Event()

@@ -6,7 +6,8 @@ message list points at the replica that answered it. The next turn's messages st
 those, followed by the reply and the new question: its longest remembered prefix names the replica.
 Only a history that holds an assistant turn is a continuation; a new conversation is routed by load,
 even when its system prompt matches another's (one prompt shared by every user must not pin them all
-to one replica).
+to one replica). A Responses API turn names its conversation itself: the replica that answered a
+response id (its `RESPONSE_ID_HEADER`) takes the turns on it and its reads.
 """
 
 from __future__ import annotations
@@ -25,6 +26,20 @@ def message_chain(messages: list[Any]) -> list[bytes]:
         h = hashlib.blake2b(h + json.dumps(m, sort_keys=True, separators=(",", ":")).encode(), digest_size=16).digest()
         keys.append(h)
     return keys
+
+
+def _response_key(response_id: str) -> bytes:
+    return b"response:" + response_id.encode()  # never 16 bytes: no message chain key is one
+
+
+def response_route(path: str, body: Any) -> str | None:
+    """The response id a Responses API request continues or reads (``previous_response_id``, or the id in
+    ``/v1/responses/{id}...``), to route it where that turn was answered; None otherwise."""
+    if path == "/v1/responses":
+        prev = body.get("previous_response_id") if isinstance(body, dict) else None
+        return prev if isinstance(prev, str) and prev else None
+    parts = path.split("/")
+    return parts[3] if len(parts) >= 4 and parts[:3] == ["", "v1", "responses"] and parts[3] else None
 
 
 def chat_messages(body: Any) -> list[Any] | None:
@@ -62,6 +77,22 @@ class ConversationAffinity:
     def remember(self, messages: list[Any], replica: str) -> None:
         """``replica`` answered the turn whose request held ``messages``."""
         key = message_chain(messages)[-1]
+        self._where[key] = (replica, time.monotonic())
+        self._where.move_to_end(key)
+        while len(self._where) > self.max_entries:
+            self._where.popitem(last=False)
+
+    def replica_of_response(self, response_id: str) -> str | None:
+        """The replica that answered the turn ``response_id`` names (its state, kept there), if remembered."""
+        hit = self._where.get(_response_key(response_id))
+        if hit is None or time.monotonic() - hit[1] > self.ttl_s:
+            return None
+        self._where.move_to_end(_response_key(response_id))
+        return hit[0]
+
+    def remember_response(self, response_id: str, replica: str) -> None:
+        """``replica`` answered the Responses API turn ``response_id``."""
+        key = _response_key(response_id)
         self._where[key] = (replica, time.monotonic())
         self._where.move_to_end(key)
         while len(self._where) > self.max_entries:

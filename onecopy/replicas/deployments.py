@@ -27,14 +27,15 @@ from ..runtime.config import EngineConfig
 from ..serve.app import ServerConfig, create_app, read_body
 from ..serve.asgi import HTTPRequest, call_asgi, lifespan
 from ..serve.errors import APIError
-from .affinity import ConversationAffinity, chat_messages
+from .affinity import ConversationAffinity, chat_messages, response_route
 from .board import ReplicaBoard, ReplicaReport
 from .router import AVOID, LOAD, PREFER, rank_replicas
 
 log = logging.getLogger(__name__)
 
 REPLICA_HEADER = "x-onecopy-replica"
-_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion",
+RESPONSE_ID_HEADER = "x-onecopy-response-id"  # set by the app on /v1/responses turns (serve.app)
+_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/responses": "responses",
               "/v1/audio/transcriptions": "transcription", "/v1/models": "models"}
 _HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection"}
 
@@ -215,19 +216,25 @@ class Ingress:
             body = await read_body(request, self.spec.max_body_bytes)
         except APIError as e:
             return self._error(endpoint, e)
-        messages = None
-        if path == "/v1/chat/completions":
+        messages, continues = None, None
+        if path == "/v1/chat/completions" or path.startswith("/v1/responses"):
             with contextlib.suppress(ValueError):
-                messages = chat_messages(json.loads(body))
+                parsed = json.loads(body) if body else None
+                messages = chat_messages(parsed) if path == "/v1/chat/completions" else None
+                continues = response_route(path, parsed)
         http = HTTPRequest(request.method, path, request.url.query.encode(), list(request.headers.raw), body)
-        prefer = self.affinity.replica_for(messages) if messages else None
+        prefer = (self.affinity.replica_for(messages) if messages else
+                  self.affinity.replica_of_response(continues) if continues else None)
         try:
             head, parts = await self._route(http, prefer)
         except APIError as e:
             return self._error(endpoint, e)
-        if messages and head["status"] == 200:
-            self.affinity.remember(messages, head["replica"])
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in head["headers"] if k.lower() not in _HOP_HEADERS}
+        if head["status"] == 200:
+            if messages:
+                self.affinity.remember(messages, head["replica"])
+            if RESPONSE_ID_HEADER in headers:  # a Responses API turn: its state is kept where it was answered
+                self.affinity.remember_response(headers[RESPONSE_ID_HEADER], head["replica"])
         headers[REPLICA_HEADER] = head["replica"]
         if not head["more"]:
             self.requests.labels(endpoint, str(head["status"])).inc()

@@ -376,7 +376,12 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
                                 lambda body: parse_response_request(body, engine, config.model_name, state.responses),
                                 lambda turn: turn.req)
         out = ResponsesRun(run, turn, state.responses)
-        return sse(out.events()) if turn.req.stream else JSONResponse(await out.collect())
+        head = {"x-onecopy-response-id": turn.id}  # the replicas' ingress routes turns on this id here
+        if turn.req.stream:
+            response = sse(out.events())
+            response.headers.update(head)
+            return response
+        return JSONResponse(await out.collect(), headers=head)
 
     def stored(response_id: str) -> StoredResponse:
         entry = state.responses.get(response_id)
