@@ -89,11 +89,14 @@ def _cmd_serve(a: argparse.Namespace) -> int:
 
     if a.source and a.bundle:
         raise OnecopyError("give a model SOURCE or --bundle DIR, not both")
+    if a.max_stored_responses < 1:
+        raise OnecopyError(f"--max-stored-responses must be at least 1, got {a.max_stored_responses}")
     bundle = Path(a.bundle) if a.bundle else default_bundle(a.device, model=a.source or EMBEDDED_DEFAULT)
     name = a.model_name or a.source or read_manifest(bundle).build.get("source") or bundle.name
     config = ServerConfig(model_name=str(name), api_key=a.api_key, max_body_bytes=a.max_body_bytes,
                           conversation_cache=not a.no_conversation_cache, conversation_ttl_s=a.conversation_ttl,
-                          max_conversations=a.max_conversations, state_dir=a.state_dir)
+                          max_conversations=a.max_conversations, state_dir=a.state_dir,
+                          max_stored_responses=a.max_stored_responses)
     if a.host not in ("127.0.0.1", "localhost", "::1") and not a.api_key:
         print(f"onecopy: warning: serving on {a.host} without --api-key: anyone who reaches this port can use it",
               file=sys.stderr)
@@ -357,6 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "finished chats' sessions; prefill every chat's history again")
     v.add_argument("--conversation-ttl", type=float, default=600.0, help="seconds an idle conversation is kept")
     v.add_argument("--max-conversations", type=int, help="idle conversations kept (default: as rows allow)")
+    v.add_argument("--max-stored-responses", type=int, default=10_000,
+                   help="/v1/responses turns kept in memory for previous_response_id (least recently used go first)")
     v.add_argument("--state-dir", help="keep /v1/responses here too: a restarted server (or another replica on the "
                                        "same directory) continues them")
     v.add_argument("--replicas", type=int, metavar="N",

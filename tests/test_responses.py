@@ -95,6 +95,9 @@ def test_the_event_stream_carries_the_reply_and_instructions_hold_for_their_turn
     again = c.responses.create(model="smollm2", input="Why?", previous_response_id=final.id, temperature=0,
                                max_output_tokens=12)
     assert again.instructions is None
+    stored = next(line for line in httpx.get(server.url + "/metrics").text.splitlines()
+                  if line.startswith("onecopy_responses_stored "))
+    assert float(stored.split()[1]) == 3
     assert again.output_text == _chat(c, [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": text},
                                           {"role": "user", "content": "Why?"}])
 

@@ -216,6 +216,7 @@ class ServerState:
         self.responses = ResponseStore(config.max_stored_responses,
                                        Path(config.state_dir) / "responses" if config.state_dir else None,
                                        engine.manifest.fingerprint())
+        self.metrics.responses_stored.set_function(lambda: len(self.responses))
         self.shutting_down = False
         self._transcriber = None
 

@@ -60,6 +60,8 @@ class ServerMetrics:
             lambda: 0 if engine.closed else engine.max_sessions)
         Gauge("onecopy_conversations_cached", "Idle conversations kept on the device", registry=r).set_function(
             lambda: len(cache) if cache is not None else 0)
+        self.responses_stored = Gauge("onecopy_responses_stored", "Responses API turns kept in memory for "
+                                      "previous_response_id and GET (--state-dir: files too)", registry=r)
         Gauge("onecopy_device_memory_used_bytes", "Device memory in use (device-level)", registry=r).set_function(
             lambda: _device_used(engine))
         blocks = engine.scheduler.kv
