@@ -64,9 +64,9 @@ def test_a_chain_prefills_only_its_new_input_and_answers_as_the_whole_history_wo
     c.responses.delete(r1.id)
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(r1.id)
-    with pytest.raises(openai.NotFoundError) as e:
+    with pytest.raises(openai.BadRequestError) as e:  # as OpenAI's API answers a turn on an unknown id
         c.responses.create(model="smollm2", input="Go on.", previous_response_id=r1.id, max_output_tokens=4)
-    assert e.value.body["param"] == "previous_response_id"
+    assert e.value.body["param"] == "previous_response_id" and e.value.body["code"] == "previous_response_not_found"
     gone = c.responses.create(model="smollm2", input=QUESTION, store=False, max_output_tokens=4)
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(gone.id)
@@ -103,7 +103,8 @@ def test_the_event_stream_carries_the_reply_and_instructions_hold_for_their_turn
 
 
 @pytest.mark.parametrize("body, status, param", [
-    ({"input": "hi", "previous_response_id": "resp_unknown"}, 404, "previous_response_id"),
+    ({"input": "hi", "previous_response_id": "resp_unknown"}, 400, "previous_response_id"),
+    ({"input": "hi", "text": "plain"}, 400, "text"),
     ({"input": []}, 400, "input"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, 400, "input[0]"),
     ({"input": [{"role": "tool", "content": "x"}]}, 400, "input[0]"),
@@ -119,11 +120,13 @@ def test_bad_responses_requests_get_openai_error_objects(server, body, status, p
     assert err["param"] == param and err["message"] and err["type"] == "invalid_request_error"
 
 
-def test_unknown_response_ids_are_404s(server):
+def test_unknown_response_ids_are_404s_and_bad_query_parameters_400s(server):
     for method, path in (("GET", "/v1/responses/resp_nope"), ("DELETE", "/v1/responses/resp_nope"),
                          ("GET", "/v1/responses/resp_nope/input_items")):
         r = httpx.request(method, server.url + path, timeout=30)
         assert r.status_code == 404 and "resp_nope" in r.json()["error"]["message"], (method, path, r.text)
+    r = httpx.get(server.url + "/v1/responses/resp_nope/input_items?limit=many", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "limit", r.text
 
 
 @pytest.mark.slow
@@ -154,8 +157,40 @@ def test_responses_in_a_state_dir_outlive_the_server_and_foreign_or_broken_files
         for rid in (foreign, broken, "..%2Fresponses%2F" + r2.id, "resp_../" + r2.id):
             r = httpx.get(f"{second.url}/v1/responses/{rid}", timeout=30)
             assert r.status_code == 404, (rid, r.text)
-        with pytest.raises(openai.NotFoundError):
+        with pytest.raises(openai.BadRequestError):
             c.responses.create(model="smollm2", input="Go on.", previous_response_id=foreign, max_output_tokens=4)
         c.responses.delete(r2.id)
         assert not (tmp_path / "responses" / f"{r2.id}.json").exists()
     assert wait_until(lambda: smol_engine.sessions_open == 0)
+
+
+def _entry(i: int, ids: int = 100):
+    from onecopy.serve.responses import StoredResponse
+
+    rid = f"resp_{i:032x}"
+    return StoredResponse(rid, {"id": rid}, [], [{"role": "user", "content": "hi"}], None, "hi", list(range(ids)), "yo")
+
+
+def test_the_store_keeps_a_byte_budget_private_files_and_deletions_across_servers(tmp_path):
+    """The memory tier stays under its byte budget (least recently used out, their files kept); files are the
+    server user's alone (0600 in a 0700 directory); a response deleted through one server sharing the directory is
+    gone for another that still holds it in memory; a file that cannot be written leaves the entry in memory and no
+    temporary file behind."""
+    import stat
+
+    from onecopy.serve.responses import ResponseStore
+
+    one = _entry(0).nbytes
+    a = ResponseStore(directory=tmp_path / "r", fingerprint="f", max_bytes=3 * one)
+    b = ResponseStore(directory=tmp_path / "r", fingerprint="f")
+    for i in range(5):
+        a.put(_entry(i))
+    assert len(a) == 3 and a._bytes <= 3 * one
+    assert stat.S_IMODE((tmp_path / "r").stat().st_mode) == 0o700
+    assert {stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "r").iterdir()} == {0o600}
+    assert a.get(_entry(0).id).token_ids.tolist() == list(range(100))  # evicted from memory, read from its file
+    assert b.delete(_entry(4).id) and a.get(_entry(4).id) is None
+    (tmp_path / "r" / f"{_entry(9).id}.json").mkdir()  # its file's name taken: the write fails (root too)
+    a.put(_entry(9))
+    assert a.get(_entry(9).id).reply_text == "yo"  # in memory only...
+    assert not [p for p in (tmp_path / "r").iterdir() if p.name.startswith(".")]  # ...and no temporary file left

@@ -28,10 +28,6 @@ def message_chain(messages: list[Any]) -> list[bytes]:
     return keys
 
 
-def _response_key(response_id: str) -> bytes:
-    return b"response:" + response_id.encode()  # never 16 bytes: no message chain key is one
-
-
 def response_route(path: str, body: Any) -> str | None:
     """The response id a Responses API request continues or reads (``previous_response_id``, or the id in
     ``/v1/responses/{id}...``), to route it where that turn was answered; None otherwise."""
@@ -56,6 +52,7 @@ class ConversationAffinity:
     def __init__(self, ttl_s: float = 600.0, max_entries: int = 100_000) -> None:
         self.ttl_s, self.max_entries = ttl_s, max_entries
         self._where: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+        self._responses: OrderedDict[str, str] = OrderedDict()  # response id -> the replica that stores it
 
     def __len__(self) -> int:
         return len(self._where)
@@ -83,24 +80,26 @@ class ConversationAffinity:
             self._where.popitem(last=False)
 
     def replica_of_response(self, response_id: str) -> str | None:
-        """The replica that answered the turn ``response_id`` names (its state, kept there), if remembered."""
-        hit = self._where.get(_response_key(response_id))
-        if hit is None or time.monotonic() - hit[1] > self.ttl_s:
-            return None
-        self._where.move_to_end(_response_key(response_id))
-        return hit[0]
+        """The replica that answered the turn ``response_id`` names (the only one that stores it, unless they
+        share a --state-dir), if remembered. No TTL: a stored response lives until deleted or evicted there."""
+        replica = self._responses.get(response_id)
+        if replica is not None:
+            self._responses.move_to_end(response_id)
+        return replica
 
     def remember_response(self, response_id: str, replica: str) -> None:
         """``replica`` answered the Responses API turn ``response_id``."""
-        key = _response_key(response_id)
-        self._where[key] = (replica, time.monotonic())
-        self._where.move_to_end(key)
-        while len(self._where) > self.max_entries:
-            self._where.popitem(last=False)
+        self._responses[response_id] = replica
+        self._responses.move_to_end(response_id)
+        while len(self._responses) > self.max_entries:
+            self._responses.popitem(last=False)
 
     def forget_replica(self, replica: str) -> int:
         """Drop every conversation of a replica that is gone; how many."""
         gone = [k for k, (r, _) in self._where.items() if r == replica]
         for k in gone:
             del self._where[k]
-        return len(gone)
+        ids = [k for k, r in self._responses.items() if r == replica]
+        for k in ids:
+            del self._responses[k]
+        return len(gone) + len(ids)

@@ -226,7 +226,9 @@ class Ingress:
         prefer = (self.affinity.replica_for(messages) if messages else
                   self.affinity.replica_of_response(continues) if continues else None)
         try:
-            head, parts = await self._route(http, prefer)
+            # A turn on (or a read of) a stored response must reach the replica that stores it: its 429 is the
+            # answer (the client retries), not a 404 from another replica.
+            head, parts = await self._route(http, prefer, sticky=continues is not None and prefer is not None)
         except APIError as e:
             return self._error(endpoint, e)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in head["headers"] if k.lower() not in _HOP_HEADERS}
@@ -242,11 +244,12 @@ class Ingress:
         sse = headers.get("content-type", "").startswith("text/event-stream")
         return StreamingResponse(self._relay(head, parts, sse, endpoint), status_code=head["status"], headers=headers)
 
-    async def _route(self, http: HTTPRequest, prefer: str | None) -> tuple[dict[str, Any], DeploymentResponseGenerator]:
+    async def _route(self, http: HTTPRequest, prefer: str | None,
+                     sticky: bool = False) -> tuple[dict[str, Any], DeploymentResponseGenerator]:
         """Send ``http`` to a replica; its head and the rest of its parts. A replica that answers 429
-        is avoided and the next one tried; when every replica is full the last 429 (with its
-        Retry-After) is the answer. A replica that dies before answering is dropped by the router and
-        the request goes to another."""
+        is avoided and the next one tried (unless ``sticky``: the preferred replica's 429 is the answer);
+        when every replica is full the last 429 (with its Retry-After) is the answer. A replica that dies
+        before answering is dropped by the router and the request goes to another."""
         avoid: list[str] = []
         full = None
         for _ in range(3 + max(len(self.board.replicas()), 1)):
@@ -268,6 +271,9 @@ class Ingress:
             if head["replica"] != target:
                 self._count_routed(target, -1)
                 self._count_routed(head["replica"], +1)
+            if head["status"] == 429 and sticky and head["replica"] == prefer:
+                self._count_routed(head["replica"], -1)
+                return head, None  # type: ignore[return-value]
             if head["status"] == 429:
                 self._count_routed(head["replica"], -1)
                 if head["replica"] in avoid:  # the router offered a full one again: all are full

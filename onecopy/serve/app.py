@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -274,6 +275,13 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     async def api_error(_: Request, e: APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
+    @app.exception_handler(RequestValidationError)
+    async def invalid_parameters(_: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        return JSONResponse(bad_request(f"invalid {where or 'request'}: {first.get('msg', 'malformed')}", param=where,
+                                        code="invalid_value").body(), status_code=400)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
@@ -327,7 +335,8 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             if state.speech:
                 raise bad_request(f"model '{config.model_name}' is a speech model: use /v1/audio/transcriptions",
                                   param="model")
-            parsed = parse(parse_json(await read_body(request, config.max_body_bytes)))
+            body = parse_json(await read_body(request, config.max_body_bytes))
+            parsed = await run_in_threadpool(parse, body)  # tokenizing a long prompt, reading a stored response
             req = request_of(parsed)
             cache = state.cache if req.kind == "chat" else None
             session, reused = cache.take(req.prompt_ids) if cache is not None else (None, 0)
@@ -384,8 +393,8 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             return response
         return JSONResponse(await out.collect(), headers=head)
 
-    def stored(response_id: str) -> StoredResponse:
-        entry = state.responses.get(response_id)
+    async def stored(response_id: str) -> StoredResponse:
+        entry = await run_in_threadpool(state.responses.get, response_id)  # may read its file
         if entry is None:
             state.count("responses", 404)
             raise not_found(response_id)
@@ -393,12 +402,12 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> Response:
-        return JSONResponse(stored(response_id).body)
+        return JSONResponse((await stored(response_id)).body)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> Response:
-        stored(response_id)
-        state.responses.delete(response_id)
+        await stored(response_id)
+        await run_in_threadpool(state.responses.delete, response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     @app.get("/v1/responses/{response_id}/input_items")
@@ -408,7 +417,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             raise bad_request("'order' must be asc or desc", param="order", code="invalid_value")
         if not 1 <= limit <= 100:
             raise bad_request("'limit' must be an integer in [1, 100]", param="limit", code="invalid_value")
-        return JSONResponse(input_items_page(stored(response_id), order, limit, after))
+        return JSONResponse(input_items_page(await stored(response_id), order, limit, after))
 
     @app.post("/v1/audio/transcriptions")
     async def transcriptions(request: Request) -> Response:

@@ -19,9 +19,11 @@ import re
 import threading
 import time
 import uuid
+from array import array
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from dataclasses import fields as dataclass_fields
+from functools import cached_property
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -30,7 +32,8 @@ from .protocol import GenerationRequest, check_model, generation_params
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_STORED = 10_000  # responses kept for previous_response_id / GET (least recently used go first)
+DEFAULT_MAX_STORED = 10_000  # responses kept in memory for previous_response_id / GET (least recently used go first)
+DEFAULT_MAX_STORED_BYTES = 1 << 30  # ... and at most about this many bytes of them (`StoredResponse.nbytes`)
 
 
 @dataclass
@@ -43,8 +46,19 @@ class StoredResponse:
     messages: list[dict[str, str]]  # the conversation through this turn's reply (no instructions)
     instructions: str | None
     prompt_text: str  # this turn's rendered prompt
-    token_ids: list[int] | None  # its prompt ids and the reply's ids (no stop id): what the next turn starts with
+    token_ids: array | None  # its prompt ids and the reply's ids (no stop id): what the next turn starts with
     reply_text: str
+
+    def __post_init__(self) -> None:
+        if self.token_ids is not None and not isinstance(self.token_ids, array):
+            self.token_ids = array("i", self.token_ids)  # 4 bytes an id (a list of ints takes ~9x that)
+
+    @cached_property
+    def nbytes(self) -> int:
+        """About what the entry holds in memory: its ids and its texts (the conversation's, the prompt's)."""
+        ids = 4 * len(self.token_ids) if self.token_ids is not None else 0
+        return ids + len(self.prompt_text) + len(self.reply_text) + sum(len(m["content"]) for m in self.messages) \
+            + len(json.dumps(self.body)) + len(json.dumps(self.input_items))
 
 
 RECORD_FORMAT = "onecopy-response/1"
@@ -60,13 +74,15 @@ class ResponseStore:
     Thread-safe."""
 
     def __init__(self, max_entries: int = DEFAULT_MAX_STORED, directory: Path | None = None,
-                 fingerprint: str = "") -> None:
+                 fingerprint: str = "", max_bytes: int = DEFAULT_MAX_STORED_BYTES) -> None:
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
-        self.max_entries, self.directory, self.fingerprint = max_entries, directory, fingerprint
+        self.max_entries, self.max_bytes, self.directory, self.fingerprint = max_entries, max_bytes, directory, fingerprint
         if directory is not None:
-            directory.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(parents=True, exist_ok=True, mode=0o700)  # conversations: the server's user's alone
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._memory_only: set[str] = set()  # entries whose file could not be written
+        self._bytes = 0
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -79,38 +95,66 @@ class ResponseStore:
             entry = self._entries.get(response_id)
             if entry is not None:
                 self._entries.move_to_end(response_id)
-                return entry
+        if entry is not None:
+            if self.directory is not None and response_id not in self._memory_only \
+                    and not (self.directory / f"{response_id}.json").is_file():
+                self._forget(response_id)  # deleted through another server sharing the directory
+                return None
+            return entry
         entry = self._read(response_id)
         if entry is not None:
             self._remember(entry)
         return entry
 
     def put(self, entry: StoredResponse) -> None:
+        """Keep ``entry`` (blocking: file I/O with a directory). A file that cannot be written is logged and
+        the entry kept in memory only: the turn it answers was generated, and its client gets it."""
+        written = True
         if self.directory is not None:
-            record = {"format": RECORD_FORMAT, "fingerprint": self.fingerprint, **asdict(entry)}
+            record = {"format": RECORD_FORMAT, "fingerprint": self.fingerprint, **asdict(entry),
+                      "token_ids": None if entry.token_ids is None else entry.token_ids.tolist()}
             tmp = self.directory / f".{entry.id}.{uuid.uuid4().hex[:8]}.tmp"
-            tmp.write_text(json.dumps(record))
-            os.replace(tmp, self.directory / f"{entry.id}.json")
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    json.dump(record, f)
+                os.replace(tmp, self.directory / f"{entry.id}.json")
+            except OSError as e:
+                log.error("response %s not written to %s (%s): kept in memory only", entry.id, self.directory, e)
+                tmp.unlink(missing_ok=True)
+                written = False
         self._remember(entry)
+        if not written:
+            with self._lock:
+                self._memory_only.add(entry.id)
 
     def delete(self, response_id: str) -> bool:
         """Forget a response, in memory and on disk; whether there was one."""
         if not _ID.fullmatch(response_id):
             return False
-        with self._lock:
-            found = self._entries.pop(response_id, None) is not None
+        found = self._forget(response_id)
         if self.directory is not None:
             path = self.directory / f"{response_id}.json"
             found = found or path.is_file()
             path.unlink(missing_ok=True)
         return found
 
+    def _forget(self, response_id: str) -> bool:
+        with self._lock:
+            self._memory_only.discard(response_id)
+            entry = self._entries.pop(response_id, None)
+            if entry is not None:
+                self._bytes -= entry.nbytes
+            return entry is not None
+
     def _remember(self, entry: StoredResponse) -> None:
+        self._forget(entry.id)
         with self._lock:
             self._entries[entry.id] = entry
-            self._entries.move_to_end(entry.id)
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)  # its file, if any, stays: read back when asked for
+            self._bytes += entry.nbytes
+            while len(self._entries) > 1 and (len(self._entries) > self.max_entries or self._bytes > self.max_bytes):
+                _, old = self._entries.popitem(last=False)  # its file, if any, stays: read back when asked for
+                self._bytes -= old.nbytes
 
     def _read(self, response_id: str) -> StoredResponse | None:
         if self.directory is None:
@@ -141,9 +185,11 @@ class ResponseStore:
 
 
 def not_found(response_id: str, param: str | None = None) -> APIError:
+    """404 for a read of an unknown response; 400 for a turn on one (`previous_response_id`), as OpenAI's API."""
     what = "Previous response" if param == "previous_response_id" else "Response"
-    return APIError(404, f"{what} with id '{response_id}' not found (never stored, deleted, or evicted from this "
-                         "server's store).", param=param, code="previous_response_not_found" if param else "not_found")
+    return APIError(400 if param else 404, f"{what} with id '{response_id}' not found (never stored, deleted, or "
+                    "evicted from this server's store).", param=param,
+                    code="previous_response_not_found" if param else "not_found")
 
 
 @dataclass
@@ -158,6 +204,7 @@ class ResponseTurn:
     previous: StoredResponse | None
     store: bool
     metadata: dict[str, str]
+    max_output_tokens: int | None  # as given (None: the rest of the context)
     id: str = field(default_factory=lambda: "resp_" + uuid.uuid4().hex)  # what _ID matches
     created_at: float = field(default_factory=time.time)
 
@@ -203,7 +250,9 @@ def _input_items(body: dict) -> list[dict[str, Any]]:
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name, default)
+    v = body.get(name)
+    if v is None:
+        return default
     if not isinstance(v, bool):
         raise bad_request(f"'{name}' must be true or false", param=name, code="invalid_value")
     return v
@@ -220,7 +269,11 @@ def parse_response_request(body: dict, engine: Any, served: str, store: Response
         allowed = ("auto", "none") if name == "tool_choice" else (None, [], {}, False)
         if body.get(name, None) not in allowed + (None,):
             raise unsupported(name, what)
-    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    text = body.get("text")
+    if text is not None and not isinstance(text, dict):
+        raise bad_request("'text' must be an object, e.g. {\"format\": {\"type\": \"text\"}}", param="text",
+                          code="invalid_value")
+    fmt = (text or {}).get("format")
     if fmt not in (None, {}) and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise unsupported("text.format", "a text format other than text")
     if body.get("truncation") not in (None, "disabled"):
@@ -259,12 +312,13 @@ def parse_response_request(body: dict, engine: Any, served: str, store: Response
         # The previous turn's ids as generated, then the new text: its state covers all but the new input.
         before = previous.prompt_text + previous.reply_text
         if prompt_text.startswith(before):
-            prompt_ids = previous.token_ids + tok.encode(prompt_text[len(before):])
+            prompt_ids = previous.token_ids.tolist() + tok.encode(prompt_text[len(before):])
     if prompt_ids is None:
         prompt_ids = tok.encode(prompt_text)
     params = generation_params(body, prompt_ids, engine, "input", ("max_output_tokens",))
     req = GenerationRequest("chat", prompt_ids, params, [], _flag(body, "stream", False))
-    return ResponseTurn(req, instructions, items, messages, prompt_text, previous, _flag(body, "store", True), metadata)
+    return ResponseTurn(req, instructions, items, messages, prompt_text, previous, _flag(body, "store", True), metadata,
+                        body.get("max_output_tokens"))
 
 
 class ResponsesRun:
@@ -280,7 +334,7 @@ class ResponsesRun:
         t, req, run = self.turn, self.turn.req, self.run
         output = []
         if text is not None:
-            output = [{"id": self.msg_id, "type": "message", "status": "completed" if status != "in_progress" else status,
+            output = [{"id": self.msg_id, "type": "message", "status": "completed" if status == "completed" else "incomplete",
                        "role": "assistant", "content": [{"type": "output_text", "text": text, "annotations": []}]}]
         usage = None
         if status in ("completed", "incomplete"):
@@ -292,7 +346,7 @@ class ResponsesRun:
         return {"id": t.id, "object": "response", "created_at": t.created_at, "status": status,
                 "model": run.state.config.model_name, "output": output, "instructions": t.instructions,
                 "previous_response_id": t.previous.id if t.previous is not None else None,
-                "max_output_tokens": req.params.max_new_tokens, "temperature": req.params.temperature,
+                "max_output_tokens": t.max_output_tokens, "temperature": req.params.temperature,
                 "top_p": req.params.top_p, "store": t.store, "metadata": t.metadata, "usage": usage,
                 "error": None if error is None else {"code": error.code or "server_error", "message": error.message},
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
@@ -329,7 +383,7 @@ class ResponsesRun:
             raise failed
         pieces.append(run.reply.flush())
         run.state.count("responses", 200, run.stream, run.reused)
-        return self.finished("".join(pieces))
+        return await run_in_threadpool(self.finished, "".join(pieces))  # the store may write a file
 
     def event(self, type: str, **fields: Any) -> str:
         obj = {"type": type, "sequence_number": self.seq, **fields}
@@ -377,7 +431,7 @@ class ResponsesRun:
             yield self.event("response.output_item.done", output_index=0,
                              item={"id": self.msg_id, "type": "message", "status": "completed", "role": "assistant",
                                    "content": [part]})
-            body = self.finished(text)
+            body = await loop.run_in_executor(None, self.finished, text)  # the store may write a file
             yield self.event(f"response.{body['status']}", response=body)
             finished = True
         finally:
