@@ -339,3 +339,51 @@ def test_transcription_endpoint(whisper_bundle, speech_wav, tmp_path):
         with pytest.raises(openai.BadRequestError, match="speech model"):
             c.chat.completions.create(model="whisper", messages=[{"role": "user", "content": "hi"}])
         assert engine.sessions_open == 0
+
+
+def test_a_client_gone_before_the_first_byte_still_cancels_its_request(tiny_bundle):
+    """A client that disconnects before a stream's first byte (at once, with a transport that yields on every write:
+    the response is cancelled around its start): its request is cancelled, its row freed and it is counted as a 499,
+    not left generating to its last token for nobody (a review suspected a leak here; this holds it)."""
+    import asyncio
+
+    from onecopy.serve.app import create_app
+    from onecopy.serve.asgi import HTTPRequest
+
+    body = json.dumps({"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 48, "stream": True,
+                       "ignore_eos": True}).encode()
+    with onecopy.Engine.load(tiny_bundle, max_sessions=2) as engine:
+        slow = engine.runner.execute
+
+        def paced(*a, **k):  # steps slower than the test's checks: a request left running is still running
+            time.sleep(0.05)
+            return slow(*a, **k)
+
+        engine.runner.execute = paced
+        app = create_app(engine, ServerConfig(model_name="tiny"))
+
+        async def gone_at_once():
+            asked = False
+
+            async def receive():
+                nonlocal asked
+                if not asked:
+                    asked = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return {"type": "http.disconnect"}  # at once: before the response's body task starts
+
+            sent = []
+
+            async def send(message):  # a transport that yields on every write (backpressure)
+                sent.append(message)
+                await asyncio.sleep(0)
+
+            await app(HTTPRequest("POST", "/v1/completions", headers=[(b"content-type", b"application/json")],
+                                  body=body).scope(), receive, send)
+            return sent
+
+        sent = asyncio.run(gone_at_once())
+        assert not any(m.get("body") for m in sent)  # nothing streamed
+        assert _wait_until(lambda: engine.scheduler.running == 0 and engine.free_rows == 2, timeout=2)
+        metrics = app.state.onecopy.metrics.requests.labels("completion", "499")._value.get()
+        assert metrics == 1
