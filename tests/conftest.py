@@ -72,6 +72,23 @@ def smollm2_bundle() -> Path:
     return cached_bundle(EMBEDDED_DEFAULT, max_seq_len=256)
 
 
+@pytest.fixture(scope="module")
+def smol_engine(smollm2_bundle: Path):
+    with onecopy.Engine.load(smollm2_bundle, max_sessions=4) as engine:
+        yield engine
+
+
+@pytest.fixture
+def smol_server(smol_engine):
+    """`onecopy serve` of SmolLM2 on loopback (its engine as ``.engine``); every conversation closed after."""
+    from onecopy.serve import BackgroundServer, ServerConfig
+
+    with BackgroundServer(smol_engine, ServerConfig(model_name="smollm2")) as server:
+        server.engine = smol_engine
+        yield server
+    assert wait_until(lambda: smol_engine.sessions_open == 0)  # the cache closed every conversation
+
+
 def copy_bundle(src: Path, dst: Path) -> Path:
     """A writable copy of a bundle, to damage or change (cached bundles are read-only: never write into one)."""
     shutil.copytree(src, dst, copy_function=shutil.copyfile)  # contents only: the copy's files are writable

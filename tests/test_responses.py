@@ -5,25 +5,11 @@ import httpx
 import openai
 import pytest
 
-import onecopy
 from onecopy.serve import BackgroundServer, ServerConfig
 
 from .conftest import wait_until
 
 QUESTION = "What is the capital of France?"
-
-
-@pytest.fixture(scope="module")
-def smol_engine(smollm2_bundle):
-    with onecopy.Engine.load(smollm2_bundle, max_sessions=4) as engine:
-        yield engine
-
-
-@pytest.fixture
-def server(smol_engine):
-    with BackgroundServer(smol_engine, ServerConfig(model_name="smollm2")) as s:
-        yield s
-    assert wait_until(lambda: smol_engine.sessions_open == 0)
 
 
 def _client(server):
@@ -36,13 +22,13 @@ def _chat(client, history):
 
 
 @pytest.mark.slow
-def test_a_chain_prefills_only_its_new_input_and_answers_as_the_whole_history_would(server):
+def test_a_chain_prefills_only_its_new_input_and_answers_as_the_whole_history_would(smol_server):
     """Turn 2 on ``previous_response_id`` starts from turn 1's state: every whole block of turn 1's prompt and reply
     is reused from the prefix cache (the reply's blocks too: its ids as generated, not re-tokenized), and it replies
     exactly as a chat completion of the whole history. Two turns on one response each continue from it (a fork:
     the blocks are shared). Stored responses read back (retrieve, input items); a deleted one is gone for GET and
     for previous_response_id; one created with store=false never was."""
-    c = _client(server)
+    c = _client(smol_server)
     ask = "Describe Paris in a few sentences."
     r1 = c.responses.create(model="smollm2", input=ask, temperature=0, max_output_tokens=40)
     assert r1.status in ("completed", "incomplete") and r1.previous_response_id is None
@@ -73,11 +59,11 @@ def test_a_chain_prefills_only_its_new_input_and_answers_as_the_whole_history_wo
 
 
 @pytest.mark.slow
-def test_the_event_stream_carries_the_reply_and_instructions_hold_for_their_turn(server):
+def test_the_event_stream_carries_the_reply_and_instructions_hold_for_their_turn(smol_server):
     """``stream=True``: the Responses events in order, the deltas adding up to the stored response's text, which is
     the non-streamed reply to the same input. ``instructions`` shape their own turn (a system message), and a turn
     on that response without them is rendered without it, as OpenAI's API does."""
-    c = _client(server)
+    c = _client(smol_server)
     plain = c.responses.create(model="smollm2", input=QUESTION, instructions="Answer in one word.", temperature=0,
                                max_output_tokens=12)
     events = list(c.responses.create(model="smollm2", input=QUESTION, instructions="Answer in one word.",
@@ -95,7 +81,7 @@ def test_the_event_stream_carries_the_reply_and_instructions_hold_for_their_turn
     again = c.responses.create(model="smollm2", input="Why?", previous_response_id=final.id, temperature=0,
                                max_output_tokens=12)
     assert again.instructions is None
-    stored = next(line for line in httpx.get(server.url + "/metrics").text.splitlines()
+    stored = next(line for line in httpx.get(smol_server.url + "/metrics").text.splitlines()
                   if line.startswith("onecopy_responses_stored "))
     assert float(stored.split()[1]) == 3
     assert again.output_text == _chat(c, [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": text},
@@ -113,19 +99,19 @@ def test_the_event_stream_carries_the_reply_and_instructions_hold_for_their_turn
     ({"input": "hi", "max_output_tokens": 100000}, 400, "max_output_tokens"),
     ({"input": "hi", "stream": "yes"}, 400, "stream"),
 ])
-def test_bad_responses_requests_get_openai_error_objects(server, body, status, param):
-    r = httpx.post(server.url + "/v1/responses", json={"model": "smollm2", **body}, timeout=30)
+def test_bad_responses_requests_get_openai_error_objects(smol_server, body, status, param):
+    r = httpx.post(smol_server.url + "/v1/responses", json={"model": "smollm2", **body}, timeout=30)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["message"] and err["type"] == "invalid_request_error"
 
 
-def test_unknown_response_ids_are_404s_and_bad_query_parameters_400s(server):
+def test_unknown_response_ids_are_404s_and_bad_query_parameters_400s(smol_server):
     for method, path in (("GET", "/v1/responses/resp_nope"), ("DELETE", "/v1/responses/resp_nope"),
                          ("GET", "/v1/responses/resp_nope/input_items")):
-        r = httpx.request(method, server.url + path, timeout=30)
+        r = httpx.request(method, smol_server.url + path, timeout=30)
         assert r.status_code == 404 and "resp_nope" in r.json()["error"]["message"], (method, path, r.text)
-    r = httpx.get(server.url + "/v1/responses/resp_nope/input_items?limit=many", timeout=30)
+    r = httpx.get(smol_server.url + "/v1/responses/resp_nope/input_items?limit=many", timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "limit", r.text
 
 

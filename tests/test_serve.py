@@ -33,20 +33,6 @@ def tiny_server(tiny_bundle):
         yield server
 
 
-@pytest.fixture(scope="module")
-def smol_engine(smollm2_bundle):
-    with onecopy.Engine.load(smollm2_bundle, max_sessions=4) as engine:
-        yield engine
-
-
-@pytest.fixture
-def smol_server(smol_engine):
-    with BackgroundServer(smol_engine, ServerConfig(model_name="smollm2")) as server:
-        server.engine = smol_engine
-        yield server
-    assert _wait_until(lambda: smol_engine.sessions_open == 0)  # the cache closed every conversation
-
-
 def test_models_health_and_metrics(tiny_server):
     c = _client(tiny_server)
     assert [m.id for m in c.models.list()] == ["tiny"]

@@ -167,11 +167,13 @@ class _Generation:
                 self.stream.cancel(wait=False)  # never block the event loop; the loop frees the row
             loop.run_in_executor(None, self._settle_and_count, status if finished else 499)
 
-    def _settle_and_count(self, status: int) -> None:
+    def _settle_and_count(self, status: int, endpoint: str | None = None) -> None:
         self.settle()
-        self.state.count(self.req.kind, status, self.stream, self.reused)
+        self.state.count(endpoint or self.req.kind, status, self.stream, self.reused)
 
-    async def collect(self) -> dict[str, Any]:
+    async def text(self, endpoint: str) -> str:
+        """The whole reply (a request answered at once), the session settled and the request counted under
+        ``endpoint``; the APIError of a request that did not end well."""
         text, failed = [], None
         try:
             async for token_id in self.stream:
@@ -184,11 +186,14 @@ class _Generation:
             await run_in_threadpool(self.settle)
         failed = failed or self.failure()
         if failed is not None:
-            self.state.count(self.req.kind, failed.status, self.stream, self.reused)
+            self.state.count(endpoint, failed.status, self.stream, self.reused)
             raise failed
         text.append(self.reply.flush())
-        self.state.count(self.req.kind, 200, self.stream, self.reused)
-        content = "".join(text)
+        self.state.count(endpoint, 200, self.stream, self.reused)
+        return "".join(text)
+
+    async def collect(self) -> dict[str, Any]:
+        content = await self.text(self.req.kind)
         if self.req.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
                       "finish_reason": self.finish_reason()}

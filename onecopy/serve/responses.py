@@ -369,21 +369,8 @@ class ResponsesRun:
     async def collect(self) -> dict[str, Any]:
         from starlette.concurrency import run_in_threadpool
 
-        run, pieces, failed = self.run, [], None
-        try:
-            async for token_id in run.stream:
-                pieces.append(run.reply.push(token_id))
-        except Exception as e:
-            failed = run.failure(e)
-        finally:
-            await run_in_threadpool(run.settle)
-        failed = failed or run.failure()
-        if failed is not None:
-            run.state.count("responses", failed.status, run.stream, run.reused)
-            raise failed
-        pieces.append(run.reply.flush())
-        run.state.count("responses", 200, run.stream, run.reused)
-        return await run_in_threadpool(self.finished, "".join(pieces))  # the store may write a file
+        text = await self.run.text("responses")
+        return await run_in_threadpool(self.finished, text)  # the store may write a file
 
     def event(self, type: str, **fields: Any) -> str:
         obj = {"type": type, "sequence_number": self.seq, **fields}
@@ -437,11 +424,7 @@ class ResponsesRun:
         finally:
             if not finished:
                 run.stream.cancel(wait=False)  # never block the event loop; the loop frees the row
-            loop.run_in_executor(None, self._settle_and_count, status if finished else 499)
-
-    def _settle_and_count(self, status: int) -> None:
-        self.run.settle()
-        self.run.state.count("responses", status, self.run.stream, self.run.reused)
+            loop.run_in_executor(None, run._settle_and_count, status if finished else 499, "responses")
 
 
 def input_items_page(entry: StoredResponse, order: str, limit: int, after: str | None) -> dict[str, Any]:

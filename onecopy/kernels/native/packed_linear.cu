@@ -650,20 +650,12 @@ __global__ void __launch_bounds__(32 * W, 4 * 8 / W) fp8_linear_kernel(Fp8Linear
   copies_wait<0>();
 }
 
-// Each row of x quantized to e4m3 for cuBLAS's FP8 GEMM, as models/packed.py's quantize_rows (and the FP8 kernel
-// above) do: scale = max(max |x|, 1e-12) * fl(1 / 448), q = e4m3(x / scale), saturating. One CTA a row, in one
-// kernel (the ATen ops took six, each a pass over x).
-__global__ void __launch_bounds__(kThreads) quantize_rows_kernel(QuantizeRowsParams p) {
-  __shared__ float wmax[kWarps];
-  const uint16_t* x = static_cast<const uint16_t*>(p.x) + blockIdx.x * p.stride_x;
+// The end of a row's quantization, with `a` this thread's part of the row's max |x|: the max over the CTA, the scale
+// written (max(max |x|, 1e-12) * fl(1 / 448)), and the row quantized from `load(i)` (its values i..i + 7 in x's
+// dtype, as 16 bytes) to e4m3(x / scale), saturating.
+template <typename Load>
+__device__ __forceinline__ void quantize_row(float a, const QuantizeRowsParams& p, float* wmax, Load load) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float a = 0.f;
-  for (int i = threadIdx.x * 8; i < p.k; i += kThreads * 8) {
-    const uint4 v = *reinterpret_cast<const uint4*>(x + i);
-    const uint16_t* h = reinterpret_cast<const uint16_t*>(&v);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) a = fmaxf(a, fabsf(half_f(h[e], p.bf16)));
-  }
 #pragma unroll
   for (int o = 16; o >= 1; o /= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
   if (lane == 0) wmax[warp] = a;
@@ -675,7 +667,7 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(QuantizeRowsPar
   if (threadIdx.x == 0) p.scales[blockIdx.x] = s;
   uint8_t* q = static_cast<uint8_t*>(p.q) + static_cast<int64_t>(blockIdx.x) * p.k;
   for (int i = threadIdx.x * 8; i < p.k; i += kThreads * 8) {
-    const uint4 v = *reinterpret_cast<const uint4*>(x + i);
+    const uint4 v = load(i);
     const uint16_t* h = reinterpret_cast<const uint16_t*>(&v);
     const uint32_t lo = to_e4m3x4(half_f(h[0], p.bf16) / s, half_f(h[1], p.bf16) / s, half_f(h[2], p.bf16) / s,
                                   half_f(h[3], p.bf16) / s);
@@ -683,6 +675,22 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(QuantizeRowsPar
                                   half_f(h[7], p.bf16) / s);
     *reinterpret_cast<uint2*>(q + i) = make_uint2(lo, hi);
   }
+}
+
+// Each row of x quantized to e4m3 for cuBLAS's FP8 GEMM, as models/packed.py's quantize_rows (and the FP8 kernel
+// above) do: scale = max(max |x|, 1e-12) * fl(1 / 448), q = e4m3(x / scale), saturating. One CTA a row, in one
+// kernel (the ATen ops took six, each a pass over x).
+__global__ void __launch_bounds__(kThreads) quantize_rows_kernel(QuantizeRowsParams p) {
+  __shared__ float wmax[kWarps];
+  const uint16_t* x = static_cast<const uint16_t*>(p.x) + blockIdx.x * p.stride_x;
+  float a = 0.f;
+  for (int i = threadIdx.x * 8; i < p.k; i += kThreads * 8) {
+    const uint4 v = *reinterpret_cast<const uint4*>(x + i);
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(&v);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) a = fmaxf(a, fabsf(half_f(h[e], p.bf16)));
+  }
+  quantize_row(a, p, wmax, [&](int i) { return *reinterpret_cast<const uint4*>(x + i); });
 }
 
 // quantize_rows_kernel's quantization of SwiGLU rows (QuantizeRowsParams::glu): one pass over the gate/up
@@ -698,7 +706,6 @@ __global__ void __launch_bounds__(kThreads) glu_quantize_rows_kernel(QuantizeRow
   __shared__ float wmax[kWarps];
   const uint16_t* x = static_cast<const uint16_t*>(p.x) + blockIdx.x * p.stride_x;
   uint16_t* out = p.q == nullptr ? static_cast<uint16_t*>(p.out) + blockIdx.x * p.stride_o : nullptr;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float a = 0.f;
   for (int i = threadIdx.x * 8; i < p.k; i += kThreads * 8) {
     const uint4 gv = *reinterpret_cast<const uint4*>(x + i), uv = *reinterpret_cast<const uint4*>(x + p.k + i);
@@ -720,25 +727,7 @@ __global__ void __launch_bounds__(kThreads) glu_quantize_rows_kernel(QuantizeRow
     }
   }
   if (out != nullptr) return;
-#pragma unroll
-  for (int o = 16; o >= 1; o /= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
-  if (lane == 0) wmax[warp] = a;
-  __syncthreads();  // also: every product is in shared memory
-  a = 0.f;
-#pragma unroll
-  for (int i = 0; i < kWarps; ++i) a = fmaxf(a, wmax[i]);
-  const float s = fmaxf(a, 1e-12f) * (1.f / 448.f);
-  if (threadIdx.x == 0) p.scales[blockIdx.x] = s;
-  uint8_t* q = static_cast<uint8_t*>(p.q) + static_cast<int64_t>(blockIdx.x) * p.k;
-  for (int i = threadIdx.x * 8; i < p.k; i += kThreads * 8) {
-    const uint4 v = products[i / 8];
-    const uint16_t* h = reinterpret_cast<const uint16_t*>(&v);
-    const uint32_t lo = to_e4m3x4(half_f(h[0], p.bf16) / s, half_f(h[1], p.bf16) / s, half_f(h[2], p.bf16) / s,
-                                  half_f(h[3], p.bf16) / s);
-    const uint32_t hi = to_e4m3x4(half_f(h[4], p.bf16) / s, half_f(h[5], p.bf16) / s, half_f(h[6], p.bf16) / s,
-                                  half_f(h[7], p.bf16) / s);
-    *reinterpret_cast<uint2*>(q + i) = make_uint2(lo, hi);
-  }
+  quantize_row(a, p, wmax, [&](int i) { return products[i / 8]; });  // its barrier: every product is stored
 }
 
 // One thread per 16-byte word of the tile order: its values dequantized in fp32 (s * q, + m), one rounding.
