@@ -27,6 +27,7 @@ from ..runtime.config import EngineConfig
 from ..serve.app import ServerConfig, create_app, read_body
 from ..serve.asgi import HTTPRequest, call_asgi, lifespan
 from ..serve.errors import APIError
+from ..serve.responses import RESPONSE_ID_HEADER
 from .affinity import ConversationAffinity, chat_messages, response_route
 from .board import ReplicaBoard, ReplicaReport
 from .router import AVOID, LOAD, PREFER, rank_replicas
@@ -34,7 +35,6 @@ from .router import AVOID, LOAD, PREFER, rank_replicas
 log = logging.getLogger(__name__)
 
 REPLICA_HEADER = "x-onecopy-replica"
-RESPONSE_ID_HEADER = "x-onecopy-response-id"  # set by the app on /v1/responses turns (serve.app)
 _ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/responses": "responses",
               "/v1/audio/transcriptions": "transcription", "/v1/models": "models"}
 _HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection"}

@@ -33,8 +33,8 @@ from .conversations import ConversationCache
 from .errors import APIError, bad_request, unavailable
 from .metrics import ServerMetrics
 from .protocol import GenerationRequest, check_model, parse_generation, parse_json
-from .responses import (DEFAULT_MAX_STORED, ResponseStore, ResponsesRun, StoredResponse, input_items_page,
-                        not_found, parse_response_request)
+from .responses import (DEFAULT_MAX_STORED, RESPONSE_ID_HEADER, ResponseStore, ResponsesRun, StoredResponse,
+                        input_items_page, not_found, parse_response_request)
 from .text import ReplyText
 
 log = logging.getLogger(__name__)
@@ -391,7 +391,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
                                 lambda body: parse_response_request(body, engine, config.model_name, state.responses),
                                 lambda turn: turn.req)
         out = ResponsesRun(run, turn, state.responses)
-        head = {"x-onecopy-response-id": turn.id}  # the replicas' ingress routes turns on this id here
+        head = {RESPONSE_ID_HEADER: turn.id}  # the replicas' ingress routes turns on this id here
         if turn.req.stream:
             response = sse(out.events())
             response.headers.update(head)

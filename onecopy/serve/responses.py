@@ -27,6 +27,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+from jinja2.exceptions import TemplateError
+
 from .errors import APIError, bad_request, unsupported
 from .protocol import GenerationRequest, check_model, generation_params
 
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_STORED = 10_000  # responses kept in memory for previous_response_id / GET (least recently used go first)
 DEFAULT_MAX_STORED_BYTES = 1 << 30  # ... and at most about this many bytes of them (`StoredResponse.nbytes`)
+RESPONSE_ID_HEADER = "x-onecopy-response-id"  # names a turn's id: the replicas' ingress routes turns on it there
 
 
 @dataclass
@@ -66,7 +69,8 @@ _ID = re.compile(r"resp_[0-9a-f]{32}")  # what `ResponseTurn` names a response; 
 
 
 class ResponseStore:
-    """Stored responses by id: in memory, at most ``max_entries`` (least recently used evicted), and with a
+    """Stored responses by id: in memory, at most ``max_entries`` of at most ``max_bytes`` in all (least recently
+    used evicted), and with a
     ``directory`` also one JSON file each there (written atomically, removed on delete), so that a server
     started again on the same directory, or another replica sharing it, answers ``previous_response_id`` from
     them (its first turn re-prefills the history: the device state did not survive). A file from another model
@@ -97,7 +101,7 @@ class ResponseStore:
                 self._entries.move_to_end(response_id)
         if entry is not None:
             if self.directory is not None and response_id not in self._memory_only \
-                    and not (self.directory / f"{response_id}.json").is_file():
+                    and not self._path(response_id).is_file():
                 self._forget(response_id)  # deleted through another server sharing the directory
                 return None
             return entry
@@ -118,7 +122,7 @@ class ResponseStore:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 with os.fdopen(fd, "w") as f:
                     json.dump(record, f)
-                os.replace(tmp, self.directory / f"{entry.id}.json")
+                os.replace(tmp, self._path(entry.id))
             except OSError as e:
                 log.error("response %s not written to %s (%s): kept in memory only", entry.id, self.directory, e)
                 tmp.unlink(missing_ok=True)
@@ -134,10 +138,13 @@ class ResponseStore:
             return False
         found = self._forget(response_id)
         if self.directory is not None:
-            path = self.directory / f"{response_id}.json"
+            path = self._path(response_id)
             found = found or path.is_file()
             path.unlink(missing_ok=True)
         return found
+
+    def _path(self, response_id: str) -> Path:
+        return self.directory / f"{response_id}.json"
 
     def _forget(self, response_id: str) -> bool:
         with self._lock:
@@ -155,11 +162,12 @@ class ResponseStore:
             while len(self._entries) > 1 and (len(self._entries) > self.max_entries or self._bytes > self.max_bytes):
                 _, old = self._entries.popitem(last=False)  # its file, if any, stays: read back when asked for
                 self._bytes -= old.nbytes
+                self._memory_only.discard(old.id)  # none: gone
 
     def _read(self, response_id: str) -> StoredResponse | None:
         if self.directory is None:
             return None
-        path = self.directory / f"{response_id}.json"
+        path = self._path(response_id)
         try:
             record = json.loads(path.read_text())
         except FileNotFoundError:
@@ -263,11 +271,11 @@ def _chat_messages(system: str | None, messages: list[dict[str, str]]) -> list[d
 
 
 def parse_response_request(body: dict, engine: Any, served: str, store: ResponseStore) -> ResponseTurn:
-    """Check a /v1/responses body against the engine and the store (an unknown previous_response_id: 404)."""
+    """Check a /v1/responses body against the engine and the store (an unknown previous_response_id: 400)."""
     check_model(body, served)
     for name, what in _UNSUPPORTED.items():
-        allowed = ("auto", "none") if name == "tool_choice" else (None, [], {}, False)
-        if body.get(name, None) not in allowed + (None,):
+        allowed = (None, "auto", "none") if name == "tool_choice" else (None, [], {}, False)
+        if body.get(name) not in allowed:
             raise unsupported(name, what)
     text = body.get("text")
     if text is not None and not isinstance(text, dict):
@@ -300,8 +308,6 @@ def parse_response_request(body: dict, engine: Any, served: str, store: Response
            for m in items]
     messages = (previous.messages if previous is not None else []) + new
     tok = engine.tokenizer
-    from jinja2.exceptions import TemplateError
-
     try:
         prompt_text = tok.apply_chat_template(_chat_messages(instructions, messages))
     except TemplateError as e:  # e.g. a template that takes no system message after the first turn

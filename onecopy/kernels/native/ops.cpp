@@ -357,46 +357,44 @@ std::tuple<at::Tensor, at::Tensor> packed_linear(const at::Tensor& x_in, const a
   return {out, ss_out};
 }
 
+// The quantize_rows kernel's parameters for x's rows (the caller's `fp8_matmul` made x's strides the kernel's:
+// unit inner stride, rows 8 values apart); whether it takes them: K a multiple of 8 and an aligned start.
+onecopy_native::QuantizeRowsParams rows_params(const at::Tensor& x, int64_t k, bool glu) {
+  onecopy_native::QuantizeRowsParams qp{};
+  qp.x = x.data_ptr();
+  qp.stride_x = x.stride(0);
+  qp.m = static_cast<int>(x.size(0)); qp.k = static_cast<int>(k);
+  qp.bf16 = x.scalar_type() == at::kBFloat16;
+  qp.glu = glu;
+  return qp;
+}
+bool kernel_takes_rows(const at::Tensor& x, int64_t k) { return k % 8 == 0 && aligned16(x); }
+
 // x's rows [M, K] (bf16/fp16), or with `glu` the SwiGLU rows of a gate/up output x [M, 2K], quantized to e4m3 as
-// models/packed.py's quantize_rows does, with their float32 scales [M, 1]: one kernel where the rows are aligned
-// (K a multiple of 8, 16-byte rows), else ATen's ops.
+// models/packed.py's quantize_rows does, with their float32 scales [M, 1]: one kernel where it takes the rows,
+// else ATen's ops.
 std::pair<at::Tensor, at::Tensor> quantized_rows(const at::Tensor& x, int64_t k, bool glu) {
-  const int64_t m = x.size(0);
-  const bool aligned = k % 8 == 0 && x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
-                       reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && (!glu || k <= onecopy_native::kGluMaxK);
-  if (!aligned) {
+  if (!kernel_takes_rows(x, k) || (glu && k > onecopy_native::kGluMaxK)) {
     auto xf = (glu ? at::silu(x.narrow(1, 0, k)) * x.narrow(1, k, k) : x).to(at::kFloat);
     auto s = xf.abs().amax({-1}, true).clamp_min(1e-12) / 448.0;
     return {(xf / s).clamp(-448.0, 448.0).to(at::kFloat8_e4m3fn), s};
   }
-  auto q = at::empty({m, k}, x.options().dtype(at::kFloat8_e4m3fn));
-  auto s = at::empty({m, 1}, x.options().dtype(at::kFloat));
-  onecopy_native::QuantizeRowsParams qp{};
-  qp.x = x.data_ptr();
-  qp.stride_x = x.stride(0);
+  auto q = at::empty({x.size(0), k}, x.options().dtype(at::kFloat8_e4m3fn));
+  auto s = at::empty({x.size(0), 1}, x.options().dtype(at::kFloat));
+  auto qp = rows_params(x, k, glu);
   qp.q = q.data_ptr();
   qp.scales = s.data_ptr<float>();
-  qp.m = static_cast<int>(m); qp.k = static_cast<int>(k);
-  qp.bf16 = x.scalar_type() == at::kBFloat16;
-  qp.glu = glu;
   check_launch(onecopy_native::quantize_rows_launch(qp, c10::cuda::getCurrentCUDAStream().stream()), "quantize_rows");
   return {q, s};
 }
 
-// The SwiGLU rows of a gate/up output x [M, 2K] in x's dtype (the FP8 kernel's input): one kernel where aligned.
+// The SwiGLU rows of a gate/up output x [M, 2K] in x's dtype (the FP8 kernel's input): one kernel where it takes them.
 at::Tensor glu_rows(const at::Tensor& x, int64_t k) {
-  const bool aligned = k % 8 == 0 && x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
-                       reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
-  if (!aligned) return at::silu(x.narrow(1, 0, k)) * x.narrow(1, k, k);
+  if (!kernel_takes_rows(x, k)) return at::silu(x.narrow(1, 0, k)) * x.narrow(1, k, k);
   auto out = at::empty({x.size(0), k}, x.options());
-  onecopy_native::QuantizeRowsParams qp{};
-  qp.x = x.data_ptr();
-  qp.stride_x = x.stride(0);
+  auto qp = rows_params(x, k, true);
   qp.out = out.data_ptr();
   qp.stride_o = out.stride(0);
-  qp.m = static_cast<int>(x.size(0)); qp.k = static_cast<int>(k);
-  qp.bf16 = x.scalar_type() == at::kBFloat16;
-  qp.glu = true;
   check_launch(onecopy_native::quantize_rows_launch(qp, c10::cuda::getCurrentCUDAStream().stream()), "glu_rows");
   return out;
 }
