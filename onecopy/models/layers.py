@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .linear import matmul
-from .packed import Weight
+from .packed import Weight, activation_quantized, fp8_glu_linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -122,7 +122,10 @@ def swiglu(x: torch.Tensor, w13: Weight, w2: Weight) -> torch.Tensor:
     A function of its weights, so that a ``torch.cond`` branch can take them as operands (`projections`).
     """
     hidden = w2.shape[1]
-    gate, up = matmul(x, w13).split([hidden, hidden], dim=-1)
+    h = matmul(x, w13)
+    if activation_quantized(w2):  # FP8: the SwiGLU rows made and quantized in one pass
+        return fp8_glu_linear(h, w2)
+    gate, up = h.split([hidden, hidden], dim=-1)
     return matmul(F.silu(gate) * up, w2)
 
 

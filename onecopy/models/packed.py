@@ -146,6 +146,18 @@ def fp8_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None) -> 
     return y if bias is None else y + bias
 
 
+def fp8_glu_linear(x: torch.Tensor, w: Packed) -> torch.Tensor:
+    """`fp8_linear` of the SwiGLU rows ``silu(gate) * up`` of a gate/up output x [..., 2K] and an ``f8r`` weight
+    [N, K]: on CUDA (`kernels.native.fp8_serves`) one kernel makes and quantizes the rows (Inductor's SwiGLU
+    kernel wrote the products and the quantization read them back); elsewhere the unfused ops."""
+    k = w.in_features
+    if native.fp8_serves(x):
+        y = native.fp8_glu_linear(x.reshape(-1, x.shape[-1]), w.qweight, w.scales)
+        return y.reshape(*x.shape[:-1], w.out_features)
+    gate, up = x.split([k, k], dim=-1)
+    return fp8_linear(torch.nn.functional.silu(gate) * up, w)
+
+
 def activation_quantized(w: Weight | None) -> bool:
     """True for a weight that `fp8_linear` multiplies (an ``f8r`` one): it never takes a Triton kernel."""
     return isinstance(w, Packed) and w.layout in ACTIVATION_QUANTIZED

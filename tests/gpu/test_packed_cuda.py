@@ -159,24 +159,48 @@ def fp8_cuda(tmp_path_factory):
                           quantize="fp8", progress=False)
 
 
+def _eager_logits_on_cuda(mode: str, group: int, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """The eager tiny-llama's greedy path (quantized to ``mode``, bf16, CUDA) and its logits at each step."""
+    from onecopy.models.quantize import quantize_model
+    from onecopy.models.source import resolve_source
+
+    model = resolve_source("tiny-llama").build(128, torch.bfloat16, "cuda")
+    quantize_model(model, mode, group)
+    path, out = [], []
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt]).cuda(), torch.arange(len(prompt)).cuda())
+        for _ in range(n):
+            out.append(logits.reshape(-1, logits.shape[-1])[-1].float())
+            path.append(int(out[-1].argmax()))
+            logits = model(torch.tensor([[path[-1]]]).cuda(), torch.tensor([len(prompt) + len(path) - 1]).cuda())
+    return path, out
+
+
 def test_fp8_bundle_on_cuda_matches_its_eager_model_and_has_no_invariant_decode(fp8_cuda):
-    """FP8 weights (``f8r``: e4m3 values, a scale per output feature, FP8 GEMMs on x's rows quantized per
-    row): greedy tokens of the compiled model equal the eager model's (the same ops; Inductor's fused row
-    quantization may round a division differently), graph and eager decode alike; the weights are stored
-    as e4m3 and bound once; no batch-invariant decode is exported, so a deterministic engine runs the
-    decode one row per call and a session's tokens are the same batched or alone."""
+    """FP8 weights (``f8r``: e4m3 values, a scale per output feature, FP8 GEMMs on x's rows quantized per row, the SwiGLU
+    rows made and quantized in one kernel): along the eager model's greedy path the compiled model's logits stay
+    within Inductor's roundings of the eager ones (on an H200 at most 0.21-0.28 over 12 steps, with the SwiGLU op and
+    without it; greedy agreement is no test here: this random model has top-2 gaps of 0.03, and one flip changes every
+    later token), graph and eager decode alike; the weights are stored as e4m3 and bound once; no batch-invariant
+    decode is exported, so a deterministic engine runs the decode one row per call and a session's tokens are the same
+    batched or alone.
+    """
     prompt = [5, 77, 300, 12, 9, 401, 3]
-    want = _eager_greedy_on_cuda("fp8", 128, prompt, 24)  # fp8: one scale per row, whatever the group
+    path, want = _eager_logits_on_cuda("fp8", 128, prompt, 16)  # fp8: one scale per row, whatever the group
     params = onecopy.SamplingParams(max_new_tokens=24)
+    tol = 0.5
     for graphs in (True, False):
         with onecopy.Engine.load(fp8_cuda, "cuda", max_sessions=4, cuda_graphs=graphs) as e:
             assert not any(m.batch_invariant for m in e.manifest.methods.values())
             q = "layers.0.feed_forward.w2.qweight"
             assert e.weights.get(q).dtype == torch.float8_e4m3fn
             assert e.method("prefill").bound[q] == e.method("decode").bound[q] == e.weights.get(q).data_ptr()
-            solo = list(e.open_session().generate_ids(prompt, params, stop_ids=[]))
-        agree = sum(a == b for a, b in zip(solo, want))
-        assert agree >= 20, (solo, want)
+            s = e.open_session()
+            logits = s.prefill(prompt)
+            for step, (token, ref) in enumerate(zip(path, want)):
+                got = logits.reshape(-1, logits.shape[-1])[-1].float()
+                assert float((got - ref).abs().max()) <= tol, (graphs, step, float((got - ref).abs().max()))
+                logits = s.decode(torch.tensor([token], device="cuda")).clone()
     with onecopy.Engine.load(fp8_cuda, "cuda", max_sessions=4, deterministic=True) as e:
         assert e.role_method("decode") == "decode"
         alone = list(e.open_session().generate_ids(prompt, params, stop_ids=[]))

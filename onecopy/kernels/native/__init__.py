@@ -113,8 +113,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.
 def fp8_glu_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """`fp8_linear` of the SwiGLU rows silu(x[:, :K]) * x[:, K:] of a gate/up output x [M, 2K] and an e4m3 weight
     [N, K]: the rows made and quantized in one kernel (up to 8 rows made in x's dtype for the FP8 GEMV).
-    Not yet what `layers.swiglu` runs: routed through it, the tiny FP8 bundle's greedy tokens left its eager model's
-    on an H200 though this op matched its reference (benchmarks/results/gpu_tests_fp8_glu_h200.txt)."""
+    `models.packed.fp8_glu_linear` (an FP8 model's SwiGLU, `layers.swiglu`) calls it."""
     load()
     return torch.ops.onecopy_native.fp8_glu_linear(x, w, scales.reshape(-1))
 

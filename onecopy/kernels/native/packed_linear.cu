@@ -650,10 +650,10 @@ __global__ void __launch_bounds__(32 * W, 4 * 8 / W) fp8_linear_kernel(Fp8Linear
   copies_wait<0>();
 }
 
-// The end of a row's quantization, with `a` this thread's part of the row's max |x|: the max over the CTA, the scale
-// written (max(max |x|, 1e-12) * fl(1 / 448)), and the row quantized from `load(i)` (its values i..i + 7 in x's
-// dtype, as 16 bytes) to e4m3(x / scale), saturating.
-template <typename Load>
+// The end of a row's quantization by a CTA of T threads, with `a` this thread's part of the row's max |x|: the max
+// over the CTA, the scale written (max(max |x|, 1e-12) * fl(1 / 448)), and the row quantized from `load(i)` (its
+// values i..i + 7 in x's dtype, as 16 bytes) to e4m3(x / scale), saturating.
+template <int T, typename Load>
 __device__ __forceinline__ void quantize_row(float a, const QuantizeRowsParams& p, float* wmax, Load load) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
@@ -662,11 +662,11 @@ __device__ __forceinline__ void quantize_row(float a, const QuantizeRowsParams& 
   __syncthreads();
   a = 0.f;
 #pragma unroll
-  for (int i = 0; i < kWarps; ++i) a = fmaxf(a, wmax[i]);
+  for (int i = 0; i < T / 32; ++i) a = fmaxf(a, wmax[i]);
   const float s = fmaxf(a, 1e-12f) * (1.f / 448.f);
   if (threadIdx.x == 0) p.scales[blockIdx.x] = s;
   uint8_t* q = static_cast<uint8_t*>(p.q) + static_cast<int64_t>(blockIdx.x) * p.k;
-  for (int i = threadIdx.x * 8; i < p.k; i += kThreads * 8) {
+  for (int i = threadIdx.x * 8; i < p.k; i += T * 8) {
     const uint4 v = load(i);
     const uint16_t* h = reinterpret_cast<const uint16_t*>(&v);
     const uint32_t lo = to_e4m3x4(half_f(h[0], p.bf16) / s, half_f(h[1], p.bf16) / s, half_f(h[2], p.bf16) / s,
@@ -678,19 +678,20 @@ __device__ __forceinline__ void quantize_row(float a, const QuantizeRowsParams& 
 }
 
 // Each row of x quantized to e4m3 for cuBLAS's FP8 GEMM, as models/packed.py's quantize_rows (and the FP8 kernel
-// above) do: scale = max(max |x|, 1e-12) * fl(1 / 448), q = e4m3(x / scale), saturating. One CTA a row, in one
-// kernel (the ATen ops took six, each a pass over x).
-__global__ void __launch_bounds__(kThreads) quantize_rows_kernel(QuantizeRowsParams p) {
-  __shared__ float wmax[kWarps];
+// above) do: scale = max(max |x|, 1e-12) * fl(1 / 448), q = e4m3(x / scale), saturating. One CTA of T threads a
+// row, in one kernel (the ATen ops took six, each a pass over x).
+template <int T>
+__global__ void __launch_bounds__(T) quantize_rows_kernel(QuantizeRowsParams p) {
+  __shared__ float wmax[T / 32];
   const uint16_t* x = static_cast<const uint16_t*>(p.x) + blockIdx.x * p.stride_x;
   float a = 0.f;
-  for (int i = threadIdx.x * 8; i < p.k; i += kThreads * 8) {
+  for (int i = threadIdx.x * 8; i < p.k; i += T * 8) {
     const uint4 v = *reinterpret_cast<const uint4*>(x + i);
     const uint16_t* h = reinterpret_cast<const uint16_t*>(&v);
 #pragma unroll
     for (int e = 0; e < 8; ++e) a = fmaxf(a, fabsf(half_f(h[e], p.bf16)));
   }
-  quantize_row(a, p, wmax, [&](int i) { return *reinterpret_cast<const uint4*>(x + i); });
+  quantize_row<T>(a, p, wmax, [&](int i) { return *reinterpret_cast<const uint4*>(x + i); });
 }
 
 // quantize_rows_kernel's quantization of SwiGLU rows (QuantizeRowsParams::glu): one pass over the gate/up
@@ -701,33 +702,44 @@ __device__ __forceinline__ uint16_t half_bits(float v, bool bf16) {
   return bf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(v)) : __half_as_ushort(__float2half_rn(v));
 }
 
-__global__ void __launch_bounds__(kThreads) glu_quantize_rows_kernel(QuantizeRowsParams p) {
-  extern __shared__ uint4 products[];  // K values in x's dtype, 8 a word
-  __shared__ float wmax[kWarps];
-  const uint16_t* x = static_cast<const uint16_t*>(p.x) + blockIdx.x * p.stride_x;
-  uint16_t* out = p.q == nullptr ? static_cast<uint16_t*>(p.out) + blockIdx.x * p.stride_o : nullptr;
-  float a = 0.f;
-  for (int i = threadIdx.x * 8; i < p.k; i += kThreads * 8) {
-    const uint4 gv = *reinterpret_cast<const uint4*>(x + i), uv = *reinterpret_cast<const uint4*>(x + p.k + i);
-    const uint16_t* g = reinterpret_cast<const uint16_t*>(&gv);
-    const uint16_t* u = reinterpret_cast<const uint16_t*>(&uv);
-    uint4 yv;
-    uint16_t* y = reinterpret_cast<uint16_t*>(&yv);
+// silu(gate) * up of 8 values (gate's and up's 16 bytes), silu and the product each rounded to x's dtype as the
+// eager ops round them; `a` takes the max |product|.
+__device__ __forceinline__ uint4 glu8(uint4 gv, uint4 uv, bool bf16, float& a) {
+  const uint16_t* g = reinterpret_cast<const uint16_t*>(&gv);
+  const uint16_t* u = reinterpret_cast<const uint16_t*>(&uv);
+  uint4 yv;
+  uint16_t* y = reinterpret_cast<uint16_t*>(&yv);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const float gf = half_f(g[e], p.bf16);
-      const float silu = half_f(half_bits(gf / (1.f + __expf(-gf)), p.bf16), p.bf16);
-      y[e] = half_bits(silu * half_f(u[e], p.bf16), p.bf16);
-      a = fmaxf(a, fabsf(half_f(y[e], p.bf16)));
-    }
-    if (out != nullptr) {
-      *reinterpret_cast<uint4*>(out + i) = yv;
-    } else {
-      products[i / 8] = yv;
-    }
+  for (int e = 0; e < 8; ++e) {
+    const float gf = half_f(g[e], bf16);
+    const float silu = half_f(half_bits(gf / (1.f + __expf(-gf)), bf16), bf16);
+    y[e] = half_bits(silu * half_f(u[e], bf16), bf16);
+    a = fmaxf(a, fabsf(half_f(y[e], bf16)));
   }
-  if (out != nullptr) return;
-  quantize_row(a, p, wmax, [&](int i) { return products[i / 8]; });  // its barrier: every product is stored
+  return yv;
+}
+
+template <int T>
+__global__ void __launch_bounds__(T) glu_quantize_rows_kernel(QuantizeRowsParams p) {
+  extern __shared__ uint4 products[];  // K values in x's dtype, 8 a word
+  __shared__ float wmax[T / 32];
+  const uint16_t* x = static_cast<const uint16_t*>(p.x) + blockIdx.x * p.stride_x;
+  float a = 0.f;
+  for (int i = threadIdx.x * 8; i < p.k; i += T * 8)
+    products[i / 8] = glu8(*reinterpret_cast<const uint4*>(x + i), *reinterpret_cast<const uint4*>(x + p.k + i),
+                           p.bf16, a);
+  quantize_row<T>(a, p, wmax, [&](int i) { return products[i / 8]; });  // its barrier: every product is stored
+}
+
+// The SwiGLU rows alone, in x's dtype (the FP8 GEMV's input, up to 8 rows): 8 values a thread, a row over
+// blockIdx.y's CTAs (one CTA a row read 14336-value rows at 1 and 64 rows slower than Inductor's kernel).
+__global__ void __launch_bounds__(kThreads) glu_rows_kernel(QuantizeRowsParams p) {
+  const int i = (blockIdx.y * kThreads + threadIdx.x) * 8;
+  if (i >= p.k) return;
+  const uint16_t* x = static_cast<const uint16_t*>(p.x) + blockIdx.x * p.stride_x;
+  float a = 0.f;
+  *reinterpret_cast<uint4*>(static_cast<uint16_t*>(p.out) + blockIdx.x * p.stride_o + i) =
+      glu8(*reinterpret_cast<const uint4*>(x + i), *reinterpret_cast<const uint4*>(x + p.k + i), p.bf16, a);
 }
 
 // One thread per 16-byte word of the tile order: its values dequantized in fp32 (s * q, + m), one rounding.
@@ -947,20 +959,35 @@ int fp8_linear_launch(const Fp8LinearParams& p, cudaStream_t stream) {
   return static_cast<int>(cudaGetLastError());
 }
 
+// A CTA of T threads a row: 1024 where the rows alone do not fill the device (at 64 rows of 14336 values the
+// 256-thread CTAs made the fused SwiGLU slower than Inductor's kernel + quantize_rows).
+template <int T>
+int quantize_rows_with(const QuantizeRowsParams& p, cudaStream_t stream) {
+  if (!p.glu) {
+    quantize_rows_kernel<T><<<p.m, T, 0, stream>>>(p);
+    return static_cast<int>(cudaGetLastError());
+  }
+  const int smem = p.k * 2;
+  if (smem > 48 * 1024) {  // past the default limit: opted in per launch (cheap; the attribute is per function)
+    const cudaError_t e = cudaFuncSetAttribute(glu_quantize_rows_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               smem);
+    if (e != cudaSuccess) return static_cast<int>(e);
+  }
+  glu_quantize_rows_kernel<T><<<p.m, T, smem, stream>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
 int quantize_rows_launch(const QuantizeRowsParams& p, cudaStream_t stream) {
   if (p.k <= 0 || p.k % 8 != 0 || p.m < 0 || (p.glu && p.k > kGluMaxK)) return -1;
   if (p.m == 0) return 0;
-  if (!p.glu) {
-    quantize_rows_kernel<<<p.m, kThreads, 0, stream>>>(p);
+  if (p.glu && p.q == nullptr) {  // the SwiGLU rows alone
+    glu_rows_kernel<<<dim3(p.m, (p.k + kThreads * 8 - 1) / (kThreads * 8)), kThreads, 0, stream>>>(p);
     return static_cast<int>(cudaGetLastError());
   }
-  const int smem = p.q == nullptr ? 0 : p.k * 2;
-  if (smem > 48 * 1024) {  // past the default limit: opted in per launch (cheap; the attribute is per function)
-    const cudaError_t e = cudaFuncSetAttribute(glu_quantize_rows_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return static_cast<int>(e);
-  }
-  glu_quantize_rows_kernel<<<p.m, kThreads, smem, stream>>>(p);
-  return static_cast<int>(cudaGetLastError());
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return p.m < 2 * sms ? quantize_rows_with<1024>(p, stream) : quantize_rows_with<kThreads>(p, stream);
 }
 
 int unpack_launch(const UnpackParams& p, cudaStream_t stream) {
