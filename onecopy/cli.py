@@ -37,15 +37,25 @@ def add_engine_options(p: argparse.ArgumentParser, *, max_queue: int | None) -> 
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="no KV blocks shared across requests: every prompt is prefilled whole, except a chat's "
                         "history held by a kept session (the conversation cache, unless --no-conversation-cache)")
+    g.add_argument("--kv-host-gib", type=float, default=0.0, metavar="GIB",
+                   help="host memory (pinned on CUDA) that keeps the cached KV blocks the device evicts, loaded back "
+                        "instead of prefilled (default 0: off)")
+    g.add_argument("--kv-disk-dir", metavar="DIR",
+                   help="a directory that keeps the cached KV blocks the host tier evicts, and every cached block at "
+                        "exit, for this and later engines of the same model (serve: DIR/kv of --state-dir by default)")
+    g.add_argument("--kv-disk-gib", type=float, default=16.0, metavar="GIB",
+                   help="bytes of KV blocks the disk tier keeps, least recently used deleted first (default 16)")
 
 
 def engine_config(a: argparse.Namespace, **overrides: object) -> "EngineConfig":
     from .runtime.config import EngineConfig
 
-    return EngineConfig.of(max_sessions=a.max_sessions, max_queue=a.max_queue, token_budget=a.token_budget,
-                           prefill_chunk=a.prefill_chunk, kv_blocks=a.kv_blocks, deterministic=a.deterministic,
-                           new_token_ratio=a.new_token_ratio,
-                           prefix_cache=not a.no_prefix_cache, **overrides)
+    options = dict(max_sessions=a.max_sessions, max_queue=a.max_queue, token_budget=a.token_budget,
+                   prefill_chunk=a.prefill_chunk, kv_blocks=a.kv_blocks, deterministic=a.deterministic,
+                   new_token_ratio=a.new_token_ratio, prefix_cache=not a.no_prefix_cache,
+                   kv_host_bytes=int(a.kv_host_gib * 2**30), kv_disk_dir=a.kv_disk_dir,
+                   kv_disk_bytes=int(a.kv_disk_gib * 2**30))
+    return EngineConfig.of(**{**options, **overrides})
 
 
 def _cmd_run(a: argparse.Namespace) -> int:
@@ -104,11 +114,19 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         return _serve_replicas(a, bundle, config)
     if a.ray_address is not None:
         raise OnecopyError("--ray-address needs --replicas N (without it onecopy serves in this process)")
-    engine = Engine.load(bundle, a.device, engine_config(a))
+    engine = Engine.load(bundle, a.device, serve_engine_config(a))
     serve(engine, config, host=a.host, port=a.port, grace_s=a.grace,
           listening=lambda url: print(f"onecopy: serving {name} on {url}/v1 ({engine.max_sessions} sessions at once)",
                                       file=sys.stderr, flush=True))
     return 0
+
+
+def serve_engine_config(a: argparse.Namespace) -> "EngineConfig":
+    """`engine_config` for serve: the KV blocks' disk tier under --state-dir unless --kv-disk-dir says where (so a
+    restarted server continues a stored response from its saved blocks, not by prefilling its history)."""
+    if a.kv_disk_dir is None and a.state_dir is not None and a.kv_disk_gib > 0:
+        return engine_config(a, kv_disk_dir=str(Path(a.state_dir) / "kv"))
+    return engine_config(a)
 
 
 def _serve_replicas(a: argparse.Namespace, bundle: Path, config) -> int:
@@ -118,7 +136,7 @@ def _serve_replicas(a: argparse.Namespace, bundle: Path, config) -> int:
     except ImportError as e:
         raise OnecopyError(f"--replicas runs on Ray Serve, which is not installed ({e}); "
                            "install it with: pip install 'onecopy[ray]'") from None
-    spec = ReplicaSpec(bundle=str(bundle.resolve()), device=a.device, engine=engine_config(a), server=config)
+    spec = ReplicaSpec(bundle=str(bundle.resolve()), device=a.device, engine=serve_engine_config(a), server=config)
     where = f"the Ray cluster at {a.ray_address}" if a.ray_address else "a local Ray cluster"
     print(f"onecopy: serving {config.model_name} on http://{a.host}:{a.port}/v1 from {a.replicas} replica(s) on {where} "
           f"(one engine per {'GPU' if a.device == 'cuda' else 'CPU'})", file=sys.stderr)

@@ -5,6 +5,7 @@ import httpx
 import openai
 import pytest
 
+import onecopy
 from onecopy.serve import BackgroundServer, ServerConfig
 
 from .conftest import wait_until
@@ -148,6 +149,30 @@ def test_responses_in_a_state_dir_outlive_the_server_and_foreign_or_broken_files
         c.responses.delete(r2.id)
         assert not (tmp_path / "responses" / f"{r2.id}.json").exists()
     assert wait_until(lambda: smol_engine.sessions_open == 0)
+
+
+@pytest.mark.slow
+def test_a_restarted_server_continues_a_response_from_its_saved_kv_blocks(smollm2_bundle, tmp_path):
+    """The engine restarts too (its device cache gone): a disk tier of KV blocks on the state directory (what
+    `onecopy serve --state-dir` sets up) keeps the blocks of turn 1's prompt and reply, saved at close, and turn 2
+    on previous_response_id loads them instead of prefilling the history: cached tokens reported, the reply
+    the same as a chat of the whole history."""
+    config = ServerConfig(model_name="smollm2", state_dir=str(tmp_path))
+    options = dict(max_sessions=2, kv_disk_dir=str(tmp_path / "kv"))
+    with onecopy.Engine.load(smollm2_bundle, **options) as engine, BackgroundServer(engine, config) as first:
+        r1 = _client(first).responses.create(model="smollm2", input=QUESTION, temperature=0, max_output_tokens=12)
+    assert list((tmp_path / "kv").glob("kv-*/*.kv"))  # saved when the engine closed
+    with onecopy.Engine.load(smollm2_bundle, **options) as engine, BackgroundServer(engine, config) as second:
+        c = _client(second)
+        r2 = c.responses.create(model="smollm2", input="And of Germany?", previous_response_id=r1.id, temperature=0,
+                                max_output_tokens=12)
+        tiers = engine.scheduler.kv.tiers
+        assert tiers.stats.restored_disk >= 1 and tiers.stats.restored_host == 0
+        block = engine.manifest.kv_block_size
+        assert r2.usage.input_tokens_details.cached_tokens == tiers.stats.restored_disk * block
+        assert r2.output_text == _chat(c, [{"role": "user", "content": QUESTION},
+                                           {"role": "assistant", "content": r1.output_text},
+                                           {"role": "user", "content": "And of Germany?"}])
 
 
 def _entry(i: int, ids: int = 100):

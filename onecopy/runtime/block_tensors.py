@@ -15,7 +15,9 @@ import torch
 
 from ..bundle import TensorSpec
 from ..sampling import to_device
-from .plan import ClearTable, CopyBlock, SetTable, StateOp, ZeroBlocks
+from .tier_store import TierStore
+from .plan import (ClearTable, CopyBlock, DropFile, LoadBlock, LoadFile, SaveBlock, SaveFile, SetTable, SpillSlot,
+                   StateOp, ZeroBlocks)
 from .pool import carve
 
 
@@ -29,6 +31,7 @@ class BlockTensors:
         self.block_bytes = sum(s.nbytes for s in specs.values())
         self.buffer, self.tensors = carve(specs, blocks + 1, device)
         self.table = torch.full((rows + 1, width), self.scratch, dtype=torch.long, device=device)
+        self.tiers: TierStore | None = None  # host and disk tiers of evicted prefixes (`kv_tiers`), if on
 
     @property
     def nbytes(self) -> int:
@@ -55,10 +58,30 @@ class BlockTensors:
                 self._set(entries)
                 entries = {}
                 self.table[op.row, op.start:].fill_(self.scratch)
+            elif isinstance(op, SaveBlock | LoadBlock | SpillSlot | SaveFile | LoadFile | DropFile):
+                self._zero(zero)  # the tiers read and write block contents: in order with the zeroing
+                zero = []
+                self._tier(op)
             else:
                 raise TypeError(f"not a KV block operation: {op!r}")
         self._zero(zero)
         self._set(entries)
+
+    def _tier(self, op: StateOp) -> None:
+        tiers = self.tiers
+        assert tiers is not None, "tier operations are queued only where the tiers are on"
+        if isinstance(op, SaveBlock):
+            tiers.save(self.tensors, op.block, op.slot)
+        elif isinstance(op, LoadBlock):
+            tiers.load(self.tensors, op.slot, op.block)
+        elif isinstance(op, SpillSlot):
+            tiers.spill(op.slot, op.key)
+        elif isinstance(op, SaveFile):
+            tiers.save_file(self.tensors, op.block, op.key)
+        elif isinstance(op, LoadFile):
+            tiers.load_payload(self.tensors, op.payload, op.block)
+        else:
+            tiers.drop(op.key)
 
     def _zero(self, blocks: list[int]) -> None:
         if blocks:  # as bytes: index_fill_ has no float8 kernel

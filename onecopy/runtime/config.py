@@ -6,6 +6,8 @@ from dataclasses import dataclass, fields
 
 from ..errors import InputError
 
+DEFAULT_KV_DISK_BYTES = 16 << 30
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -34,6 +36,10 @@ class EngineConfig:
       blocks kept free when admitting another (SGLang's name). 1: admitted requests all reach their
       ``max_new_tokens`` without a preemption (TensorRT-LLM's default, GUARANTEED_NO_EVICT); lower admits
       more on the bet that requests stop early, preemption paying for a lost bet.
+    - Tiers of the prefix cache (`runtime.kv_tiers`; off by default): ``kv_host_bytes`` of host memory (pinned
+      on CUDA) keep the blocks the device cache evicts, and ``kv_disk_dir`` (a directory; a subdirectory per
+      model) keeps up to ``kv_disk_bytes`` (default 16 GiB) of those the host tier evicts, across restarts; a
+      prompt whose prefix a tier holds loads those blocks instead of prefilling them.
     """
 
     max_sessions: int | None = None
@@ -50,6 +56,9 @@ class EngineConfig:
     kv_blocks: int | None = None
     token_budget: int | None = None
     new_token_ratio: float = 1.0
+    kv_host_bytes: int = 0
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int = DEFAULT_KV_DISK_BYTES
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "kv_blocks", "prefill_chunk", "token_budget", "max_batch"):
@@ -60,6 +69,11 @@ class EngineConfig:
             raise InputError(f"max_queue must be >= 0, got {self.max_queue}")
         if not 0 <= self.new_token_ratio <= 1:
             raise InputError(f"new_token_ratio must be in [0, 1], got {self.new_token_ratio}")
+        for name in ("kv_host_bytes", "kv_disk_bytes"):
+            if getattr(self, name) < 0:
+                raise InputError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.kv_disk_dir is not None:
+            object.__setattr__(self, "kv_disk_dir", str(self.kv_disk_dir))
         if not 0 < self.memory_fraction <= 1:
             raise InputError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.decode_buckets is not None:

@@ -28,6 +28,7 @@ from ..tokenizer import Tokenizer
 from .config import EngineConfig
 from .cpu_threads import on_short_lived_thread
 from .kv_manager import KVSpec
+from .kv_tiers import TierIndex
 from .loop import EngineLoop
 from .memory import (MemoryReport, default_reserve, device_used, engine_report, row_bytes, size_blocks, size_paged_sessions,
                      size_pool)
@@ -40,6 +41,7 @@ from .session import Session
 from .sessions import Sessions
 from .state import SessionSnapshot
 from .stream import TokenStream
+from .tier_store import TierStore
 from .weights import WeightStore
 
 log = logging.getLogger(__name__)
@@ -187,9 +189,16 @@ class Engine:
                  decode.name if decode else "none",
                  f", graphs for {self.runner.graph_buckets}" if self.runner.graph_buckets else "")
         kv = KVSpec(blocks, m.table_width, m.kv_block_size, self.prefix_cache) if paged else None
+        tiers = None
+        if c.kv_host_bytes or c.kv_disk_dir:
+            if self.prefix_cache:
+                tiers = self._kv_tiers(c)
+            else:
+                self.prefix_cache_note += "; the KV tiers (kv_host_bytes, kv_disk_dir) keep its blocks: off too"
         self.scheduler = Scheduler(rows, max_seq_len=m.max_seq_len, has_prefill=self.has_prefill,
                                    prefill_chunk=min(c.prefill_chunk or DEFAULT_PREFILL_CHUNK, self.prefill_bound),
                                    max_queue=c.max_queue, max_batch=c.max_batch, token_budget=c.token_budget, kv=kv,
+                                   tiers=tiers,
                                    replay_in_decode=c.deterministic, new_token_ratio=c.new_token_ratio)
         # Overlap step t+1 with step t's ids on CUDA; not with recurrent state: the step queued after a
         # stop id would advance it for good.
@@ -202,6 +211,38 @@ class Engine:
                                  usable=lambda: not (self.closed or self.failed),
                                  fail=self.loop.fail, submit=self.submit, wake=self.loop.wake,
                                  capacity_error=self._capacity_error, on_open=self._fresh_constants)
+
+    def _kv_tiers(self, c: EngineConfig) -> TierIndex:
+        """The host and disk tiers of the prefix cache (`kv_tiers`): their bytes held by the runner's blocks, their
+        index for the scheduler's KV manager, with the files a disk tier already holds for this model (the
+        oldest past ``kv_disk_bytes`` deleted)."""
+        m, blocks = self.manifest, self.runner.blocks
+        assert blocks is not None
+        fingerprint = m.fingerprint()
+        directory = Path(c.kv_disk_dir) / f"kv-{fingerprint[:16]}" if c.kv_disk_dir else None
+        slots = c.kv_host_bytes // blocks.block_bytes
+        store = TierStore({k: m.state[k] for k in m.paged_state}, slots, directory, fingerprint, self.device)
+        disk_blocks = c.kv_disk_bytes // store.file_bytes if directory is not None else 0
+        on_disk = store.keys_on_disk()
+        for key in on_disk[:max(0, len(on_disk) - disk_blocks)]:
+            store.drop(key)
+        blocks.tiers = store
+        log.info("KV tiers: %d host slots (%.1f MiB)%s", slots, store.host_bytes / 2**20,
+                 f", {disk_blocks} blocks on disk at {directory} ({min(len(on_disk), disk_blocks)} there)"
+                 if directory else "")
+        return TierIndex(slots, disk_blocks, on_disk[-disk_blocks:] if disk_blocks else [], read=store.read)
+
+    def _persist_kv(self) -> None:
+        """At close, a disk tier takes every cached block the host and the device hold (`KVCacheManager.persist`):
+        an engine started on the same directory finds them. Not after a device failure (its bytes are unknown)."""
+        kv = self.scheduler.kv
+        if kv is None or kv.tiers is None or not kv.tiers.disk_blocks or self.loop.failed:
+            return
+        kv.persist()
+        try:
+            self.runner.apply(self.scheduler.ops.take())
+        except Exception:  # a full disk: what was written stays, the engine still closes
+            log.exception("saving the KV cache to %s at close", self.config.kv_disk_dir)
 
     # -- introspection -------------------------------------------------------------------------
     @property
@@ -427,6 +468,7 @@ class Engine:
                 return
             if hasattr(self, "sessions"):
                 self.sessions.close_all()
+                self._persist_kv()
             self.closed = True
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

@@ -14,6 +14,9 @@ into one (the scheduler preempts the latest such request when none is left: it c
 from its ids). Admission leaves free the share ``new_token_ratio`` of the blocks running requests may
 still take (`to_come`; `fits`). A request that continues a session's state reserves every block it may
 write at admission: what its row held before cannot be recomputed.
+With tiers (`kv_tiers.TierIndex`), an evicted cached block is saved to host memory or disk before it is
+reused, and a fresh request's prefix continues past the device's cached blocks into the tiers: the blocks
+found there are loaded into fresh blocks (and published again) instead of prefilled.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import SessionCapacityError
+from .kv_tiers import ROOT_DIGEST, TierIndex, prefix_digest
 from .plan import ClearTable, CopyBlock, SetTable, StateOps, ZeroBlocks
 from .prefix import PrefixIndex
 from .request import Request
@@ -50,13 +54,14 @@ def common_blocks(a: Sequence[int], b: Sequence[int], block_size: int) -> int:
 class KVCacheManager:
     """Blocks of one paged cache for ``rows`` rows (see the module doc). Callers hold the engine's lock."""
 
-    def __init__(self, spec: KVSpec, rows: int, max_seq_len: int, ops: StateOps) -> None:
+    def __init__(self, spec: KVSpec, rows: int, max_seq_len: int, ops: StateOps, tiers: TierIndex | None = None) -> None:
         self.blocks, self.width, self.block_size = spec.blocks, spec.width, spec.block_size
         self.rows, self.max_seq_len, self._ops = rows, max_seq_len, ops
         self.owned: list[list[int]] = [[] for _ in range(rows + 1)]  # each row's blocks, in table order
         self.refs = [0] * spec.blocks
         self._free = list(range(spec.blocks - 1, -1, -1))  # a stack: the lowest block is handed out first
-        self.index = PrefixIndex(spec.block_size) if spec.prefix_cache else None
+        self.index = PrefixIndex(spec.block_size, digests=tiers is not None) if spec.prefix_cache else None
+        self.tiers = tiers if spec.prefix_cache else None
         self.copies = 0  # blocks copied on write
         self.peak_used = 0  # the most blocks referenced by rows at once (`reset_peak` starts a new count)
         # Admitted fresh requests whose prompt is not all published yet, by their first block's ids (only a
@@ -179,14 +184,53 @@ class KVCacheManager:
                 f"the whole KV cache has {self.blocks} blocks; ask for fewer max_new_tokens or a shorter prompt, or "
                 "load the engine with more kv_blocks")
 
-    def _cached_prefix(self, req: Request, touch: bool) -> tuple[list[int], int]:
-        """The cached blocks what a fresh request reads starts with and the ids it takes from them (at least
-        one id is left to prefill: its logits are the next sample)."""
+    def _cached_prefix(self, req: Request, touch: bool) -> tuple[list[int], list[bytes], int]:
+        """The cached blocks what a fresh request reads starts with, the tiers' keys of the whole blocks that
+        follow them there, and the ids it takes from both (at least one id is left to prefill: its logits
+        are the next sample)."""
         if self.index is None or not req.starts_empty:
-            return [], 0
-        found = self.lookup(req.feed(0, req.feed_len), touch)
-        cached = min(len(found) * self.block_size, req.feed_len - 1)
-        return found[:self.blocks_for(cached)], cached
+            return [], [], 0
+        ids = req.feed(0, req.feed_len)
+        found = self.lookup(ids, touch)
+        keys = self._tier_keys(ids, found) if self.tiers is not None else []
+        cached = min((len(found) + len(keys)) * self.block_size, req.feed_len - 1)
+        return found[:self.blocks_for(cached)], keys, cached
+
+    def _tier_keys(self, ids: Sequence[int], found: list[int]) -> list[bytes]:
+        """The tiers' keys of the whole blocks of ``ids`` after the device's ``found`` ones, up to the first
+        the tiers miss (blocks before the last id only: that one is always prefilled)."""
+        assert self.tiers is not None and self.index is not None
+        bs, keys = self.block_size, []
+        parent = self.index.digest(found[-1]) if found else ROOT_DIGEST
+        for i in range(len(found), (len(ids) - 1) // bs):
+            parent = prefix_digest(parent, ids[i * bs:(i + 1) * bs])
+            if parent not in self.tiers:
+                break
+            keys.append(parent)
+        return keys
+
+    def _restore(self, req: Request, keys: list[bytes]) -> int:
+        """Load the tiers' blocks ``keys`` into fresh blocks after ``req``'s row's shared ones and publish
+        them; returns how many it loaded (a key the saves of these very takes pushed out ends the run)."""
+        assert self.tiers is not None and self.index is not None
+        self.tiers.batch = self._ops.taken
+        have = self.owned[req.row]
+        first, fresh = len(have), [self._take() for _ in keys]  # evictions save first: queued before the loads
+        loaded = 0
+        for block, key in zip(fresh, keys):
+            op = self.tiers.load(key, block)
+            if op is None:
+                break
+            self._ops.add(op)
+            loaded += 1
+        for block in fresh[loaded:]:
+            self.refs[block] = 0
+            self._free.append(block)
+        if loaded:
+            have.extend(fresh[:loaded])
+            self._ops.add(SetTable(req.row, first, tuple(fresh[:loaded])))
+            self.index.publish(have, req.feed(0, len(have) * self.block_size))
+        return loaded
 
     def to_come(self, req: Request, ratio: float) -> float:
         """The blocks a request that grows may still take (its span's past those it holds) times ``ratio``."""
@@ -204,10 +248,10 @@ class KVCacheManager:
         headroom = self.available - promised - self.to_come(req, ratio)
         if not req.starts_empty:
             return self.cost(req.row, req.start, end) <= headroom
-        shared, cached = self._cached_prefix(req, touch=False)
+        shared, keys, cached = self._cached_prefix(req, touch=False)
         if self.index is not None and self._prefilling:
             ids = req.feed(0, req.feed_len)
-            if any(common_blocks(p.feed(0, p.feed_len), ids, self.block_size) > len(shared)
+            if any(common_blocks(p.feed(0, p.feed_len), ids, self.block_size) > len(shared) + len(keys)
                    for p in self._prefilling.get(self._prefilling_key(req), ())):
                 return False
         need = self.blocks_for(end) - len(shared) + (1 if cached % self.block_size else 0)
@@ -217,8 +261,10 @@ class KVCacheManager:
         """Give an admitted request its blocks: an empty row starts on the cached prefix of what it reads
         (sets ``req.cached``), then the positions up to `admission_end` are made its own."""
         if req.starts_empty:
-            shared, req.cached = self._cached_prefix(req, touch=True)
+            shared, keys, req.cached = self._cached_prefix(req, touch=True)
             self.share(req.row, shared)
+            if keys:
+                req.cached -= (len(keys) - self._restore(req, keys)) * self.block_size
             key = self._prefilling_key(req)
             if self.index is not None and key is not None:
                 self._prefilling.setdefault(key, []).append(req)
@@ -246,6 +292,13 @@ class KVCacheManager:
         if held is not None:
             self.publish(req.row, held)
         self.trim(req.row, req.end)
+
+    def persist(self) -> None:
+        """Queue the saving of every published block (least recently used first) and every host slot to the
+        disk tier (an engine closing: another on the same directory finds them)."""
+        if self.tiers is not None and self.index is not None:
+            self.tiers.batch = self._ops.taken
+            self._ops.add(*self.tiers.persist([(b, self.index.digest(b)) for b in self.index.published()]))
 
     # -- accounting ---------------------------------------------------------------------------------
     def usage(self) -> dict[str, int]:
@@ -277,8 +330,12 @@ class KVCacheManager:
         if not self._free:
             evicted = self.index.evict_lru() if self.index is not None else None
             assert evicted is not None, "callers check `available` first"
-            block, freed = evicted
+            block, freed, saved = evicted
             self._free.extend(freed)
+            if self.tiers is not None:  # their bytes kept before anything reuses them
+                self.tiers.batch = self._ops.taken
+                for b, digest in saved:
+                    self._ops.add(*self.tiers.save(b, digest))
         else:
             block = self._free.pop()
         self.refs[block] = 1

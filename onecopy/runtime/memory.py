@@ -226,6 +226,12 @@ class MemoryReport:
     kv_peak_used_blocks: int = 0  # the most blocks rows held at once, since load
     preemptions: int = 0  # running requests whose blocks were taken for others (resumed by recompute), since load
     recomputed_tokens: int = 0  # ids those requests put back in their rows
+    # Tiers of the prefix cache (`kv_tiers`; 0 without): evicted blocks kept in host memory and on disk.
+    kv_host_tier_bytes: int = 0  # host memory of the host tier's slots (pinned on CUDA)
+    kv_host_tier_blocks: int = 0  # blocks the host tier holds now
+    kv_disk_tier_blocks: int = 0  # blocks the disk tier holds now (files)
+    kv_tier_saved: int = 0  # evicted blocks kept, since load
+    kv_tier_restored: int = 0  # blocks loaded back from host or disk instead of prefilled, since load
     packed_weight_bytes: int = 0  # of the unique weights: the packed (quantized) layers' values, scales, mins
     packed_as_float_bytes: int = 0  # what those layers would take in the model dtype
 
@@ -248,6 +254,10 @@ class MemoryReport:
                ("KV blocks used at most", str(self.kv_peak_used_blocks)),
                ("preemptions (ids recomputed)", f"{self.preemptions} ({self.recomputed_tokens})")]
               if self.kv_blocks else []),
+            *([("KV tiers: host / disk blocks", f"{self.kv_host_tier_blocks} / {self.kv_disk_tier_blocks}"),
+               ("KV host tier", _mib(self.kv_host_tier_bytes)),
+               ("KV tier saved / restored", f"{self.kv_tier_saved} / {self.kv_tier_restored}")]
+              if self.kv_host_tier_bytes or self.kv_disk_tier_blocks or self.kv_tier_saved else []),
             ("sessions open", str(self.sessions_open)),
             ("sessions that still fit", str(self.capacity)),
             ("decode graphs (batch sizes)", buckets),
@@ -294,6 +304,11 @@ def engine_report(device: torch.device, manifest: Manifest, methods: "list[Metho
                   kv_references=use["references"], prefix_cache=prefix_cache,
                   prefix_cached_tokens=scheduler.stats.cached_tokens, kv_peak_used_blocks=kv_manager.peak_used,
                   preemptions=scheduler.stats.preemptions, recomputed_tokens=scheduler.stats.recomputed_tokens)
+        tiers, store = kv_manager.tiers, runner.blocks.tiers
+        if tiers is not None and store is not None:
+            kv.update(kv_host_tier_bytes=store.host_bytes, kv_host_tier_blocks=len(tiers.host),
+                      kv_disk_tier_blocks=len(tiers.disk), kv_tier_saved=tiers.stats.saved,
+                      kv_tier_restored=tiers.stats.restored_host + tiers.stats.restored_disk)
         state_bytes += (use["shared"] + use["private"]) * block
     packed = {f for name in manifest.packed for f in manifest.packed_fqns(name)} & needed
     packed_values = sum(math.prod(p["shape"]) for p in manifest.packed.values())

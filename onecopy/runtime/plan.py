@@ -1,7 +1,8 @@
 """What the scheduler decides and the model runner carries out: step plans and state operations.
 
 State operations are the device work that host-side decisions imply (a block copied on write, fresh
-blocks zeroed, a row's block table rewritten, a released row zeroed). The scheduler and the KV cache
+blocks zeroed, a row's block table rewritten, a released row zeroed, a block saved to or loaded from the
+host and disk tiers). The scheduler and the KV cache
 manager only queue them (`StateOps`); the model runner applies them, in order, before the next thing
 it runs on the device (the next step, or a session's direct call). Host only: no tensors here.
 """
@@ -54,7 +55,55 @@ class ZeroRow:
     row: int
 
 
-StateOp = CopyBlock | ZeroBlocks | SetTable | ClearTable | ZeroRow
+@dataclass(frozen=True)
+class SaveBlock:
+    """Copy KV block ``block`` to host slot ``slot`` (the prefix cache evicts it: `kv_tiers`)."""
+
+    block: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class LoadBlock:
+    """Copy host slot ``slot`` into KV block ``block`` (a cached prefix loaded instead of prefilled)."""
+
+    slot: int
+    block: int
+
+
+@dataclass(frozen=True)
+class SpillSlot:
+    """Write host slot ``slot`` to the disk tier's file of prefix ``key`` (the slot is about to be reused)."""
+
+    slot: int
+    key: bytes
+
+
+@dataclass(frozen=True)
+class SaveFile:
+    """Write KV block ``block`` to the file of prefix ``key`` (a disk tier without host slots)."""
+
+    block: int
+    key: bytes
+
+
+@dataclass(frozen=True)
+class LoadFile:
+    """Write a disk tier file's checked payload (read when the load was decided) into KV block ``block``."""
+
+    payload: bytes
+    block: int
+
+
+@dataclass(frozen=True)
+class DropFile:
+    """Delete the file of prefix ``key`` (the disk tier is full)."""
+
+    key: bytes
+
+
+TierOp = SaveBlock | LoadBlock | SpillSlot | SaveFile | LoadFile | DropFile
+StateOp = CopyBlock | ZeroBlocks | SetTable | ClearTable | ZeroRow | TierOp
 
 
 class StateOps:
@@ -63,6 +112,7 @@ class StateOps:
 
     def __init__(self) -> None:
         self._ops: list[StateOp] = []
+        self.taken = 0  # batches taken: an operation queued in batch ``taken`` is applied after this count moves
 
     def add(self, *ops: StateOp) -> None:
         self._ops.extend(ops)
@@ -70,6 +120,7 @@ class StateOps:
     def take(self) -> list[StateOp]:
         """Every queued operation, in the order decided; the queue is empty afterwards."""
         out, self._ops = self._ops, []
+        self.taken += 1
         return out
 
     def __len__(self) -> int:

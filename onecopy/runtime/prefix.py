@@ -6,8 +6,9 @@ walks a prompt block by block and stops at the first block nobody holds. The key
 block itself, not a hash of the prefix: two prefixes can never collide. When a block leaves the index
 (evicted or overwritten), every block published under it leaves too: a recycled block id must never
 lead a lookup to a child that was computed after other tokens.
-Blocks no session references stay published and evictable, least recently used first. No tensors
-here: `blocks.KVBlocks` owns the memory and asks this index what it may reuse or evict.
+Blocks no session references stay published and evictable, least recently used first. With
+``digests`` each published block also has the digest of its whole prefix (`kv_tiers.prefix_digest`):
+the key under which an evicted block is kept in the host and disk tiers. No tensors here.
 """
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
+from .kv_tiers import ROOT_DIGEST, prefix_digest
+
 _ROOT = -1  # the parent of a prompt's first block
 
 
 class PrefixIndex:
     """Published blocks by (parent block, tokens), their children, and the evictable ones in LRU order."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, digests: bool = False) -> None:
         self.block_size = block_size
+        self._digest: dict[int, bytes] | None = {} if digests else None  # block -> its prefix's digest
         self._by_key: dict[tuple[int, tuple[int, ...]], int] = {}
         self._key_of: dict[int, tuple[int, tuple[int, ...]]] = {}
         self._children: dict[int, set[int]] = collections.defaultdict(set)
@@ -56,11 +60,20 @@ class PrefixIndex:
                 self.hit_tokens += len(out) * bs
         return out
 
+    def published(self) -> list[int]:
+        """Every published block: the evictable ones least recently used first, then those rows hold."""
+        return [*self._lru, *(b for b in self._key_of if b not in self._lru)]
+
+    def digest(self, block: int) -> bytes:
+        """The digest of the prefix a published ``block`` ends (the index keeps digests)."""
+        assert self._digest is not None
+        return self._digest[block]
+
     def publish(self, blocks: Sequence[int], tokens: Sequence[int]) -> None:
         """Publish the full blocks of a session that holds ``tokens`` in ``blocks`` (its table, in order).
         A block already published stays as it is; a prefix another block already holds is left private
         (its first holder keeps serving it)."""
-        parent, bs = _ROOT, self.block_size
+        parent, bs, digests = _ROOT, self.block_size, self._digest
         for i in range(min(len(tokens) // bs, len(blocks))):
             block, key = blocks[i], (parent, tuple(tokens[i * bs:(i + 1) * bs]))
             if self._key_of.get(block) != key:
@@ -70,6 +83,8 @@ class PrefixIndex:
                 self._key_of[block] = key
                 if parent != _ROOT:
                     self._children[parent].add(block)
+                if digests is not None:
+                    digests[block] = prefix_digest(digests[parent] if parent != _ROOT else ROOT_DIGEST, key[1])
             parent = block
 
     def referenced(self, block: int) -> None:
@@ -84,19 +99,23 @@ class PrefixIndex:
             return True
         return False
 
-    def evict_lru(self) -> tuple[int, list[int]] | None:
-        """Unpublish the least recently used evictable block (and the blocks published under it);
-        returns it and the unreferenced descendants that became free, or None if nothing is evictable."""
+    def evict_lru(self) -> tuple[int, list[int], list[tuple[int, bytes]]] | None:
+        """Unpublish the least recently used evictable block (and the blocks published under it); returns
+        it, the unreferenced descendants that became free, and (with digests) each of those blocks with its
+        prefix's digest (their bytes are intact: the tiers may keep them), or None if nothing is evictable."""
         if not self._lru:
             return None
         block = next(iter(self._lru))
-        freed = self.remove(block)
-        return block, [b for b in freed if b != block]
+        freed, digests = self._remove(block)
+        return block, [b for b in freed if b != block], [(b, digests[b]) for b in freed if b in digests]
 
     def remove(self, block: int) -> list[int]:
         """Unpublish ``block`` and its descendants (a session is about to overwrite it); returns the ones
         that were evictable (no session holds them: they are free now)."""
-        freed, stack = [], [block]
+        return self._remove(block)[0]
+
+    def _remove(self, block: int) -> tuple[list[int], dict[int, bytes]]:
+        freed, digests, stack = [], {}, [block]
         while stack:
             b = stack.pop()
             key = self._key_of.pop(b, None)
@@ -106,6 +125,9 @@ class PrefixIndex:
             if key[0] != _ROOT:
                 self._children.get(key[0], set()).discard(b)
             stack.extend(self._children.pop(b, ()))
+            digest = self._digest.pop(b, None) if self._digest is not None else None
             if self._lru.pop(b, 0) is None:
                 freed.append(b)
-        return freed
+                if digest is not None:
+                    digests[b] = digest
+        return freed, digests

@@ -47,6 +47,7 @@ from typing import Protocol
 
 from ..errors import InputError, OnecopyError, QueueFullError, SessionCapacityError
 from .kv_manager import KVCacheManager, KVSpec
+from .kv_tiers import TierIndex
 from .plan import PrefillChunk, RequestStart, StateOps, StepPlan, ZeroRow
 from .request import Request, RequestStatus
 from .rows import RowAllocator, RowLease
@@ -93,7 +94,8 @@ class Scheduler:
 
     def __init__(self, rows: int, *, max_seq_len: int, has_prefill: bool, prefill_chunk: int,
                  max_queue: int | None = None, max_batch: int | None = None, token_budget: int | None = None,
-                 kv: KVSpec | None = None, replay_in_decode: bool = False, new_token_ratio: float = 1.0) -> None:
+                 kv: KVSpec | None = None, replay_in_decode: bool = False, new_token_ratio: float = 1.0,
+                 tiers: TierIndex | None = None) -> None:
         if prefill_chunk < 1:
             raise InputError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if token_budget is not None and token_budget < 1:
@@ -109,7 +111,7 @@ class Scheduler:
         self.reclaimer: Reclaimer | None = None
         self.ops = StateOps()  # device work decided and not yet applied (the next plan carries it)
         self.rows = RowAllocator(rows)
-        self.kv = KVCacheManager(kv, rows, max_seq_len, self.ops) if kv is not None else None
+        self.kv = KVCacheManager(kv, rows, max_seq_len, self.ops, tiers) if kv is not None else None
         self._queue_lock = threading.Lock()  # guards _waiting and _unfinished: `add` runs on submitting threads
         self._waiting: collections.deque[Request] = collections.deque()
         # Waiting requests that need no row (a session's, or a preempted one that kept its row): while there are

@@ -1,0 +1,145 @@
+"""KV blocks past the device: cached prefixes the device evicts kept in host memory, then on disk, and
+loaded back into fresh device blocks instead of prefilled again.
+
+When the prefix cache evicts a block (no row holds it, least recently used) and tiers are on, its bytes
+are saved to a host slot first; when the host slots are full the least recently used slot is written to
+a file of the disk tier (or dropped without one). A block's key is a digest of its whole prefix (every
+token from position 0), so a block saved by one engine is found by any engine of the same model on the
+same directory, after a restart too. A prompt whose prefix the device cache does not hold is looked up
+here block by block, after the device's blocks; what is found is loaded instead of prefilled.
+
+Two halves, as the device cache has: `TierIndex` here decides (host only: which key lives in which
+slot or file, least recently used first) and queues state operations (`plan.SaveBlock` ...);
+`tier_store.TierStore` holds the bytes (pinned host slots, the files) and carries the operations out for
+`block_tensors.BlockTensors`, in order, on the device's stream.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .plan import DropFile, LoadBlock, LoadFile, SaveBlock, SaveFile, SpillSlot, StateOp
+
+ROOT_DIGEST = b""  # the parent of a prompt's first block
+
+
+def prefix_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The key of a block holding ``tokens`` after the prefix whose key is ``parent`` (16 bytes of BLAKE2b)."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+@dataclass
+class TierStats:
+    """What the tiers did since load: blocks saved from the device, loaded back (by tier), spilled to disk."""
+
+    saved: int = 0
+    restored_host: int = 0
+    restored_disk: int = 0
+    spilled: int = 0
+    dropped: int = 0
+    load_failures: int = 0  # files that were gone or did not check when a load was decided (a miss)
+
+
+class TierIndex:
+    """Which prefix keys live in which host slot or file (host only; callers hold the engine's lock)."""
+
+    def __init__(self, host_slots: int, disk_blocks: int = 0, on_disk: Sequence[bytes] = (),
+                 read: Callable[[bytes], bytes | None] | None = None) -> None:
+        """``on_disk``: the keys the disk tier holds already, least recently used first; ``read``: a key's file's
+        payload, checked (None: the file is gone or does not check)."""
+        self.host_slots, self.disk_blocks, self._read = host_slots, disk_blocks, read
+        self.batch = 0  # the state operations' batch being queued (`plan.StateOps.taken`), set by the KV manager
+        self._unwritten: dict[bytes, int] = {}  # key -> the batch whose operations write its file
+        self.host: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> slot, LRU first
+        self._free = list(range(host_slots - 1, -1, -1))
+        self.disk: collections.OrderedDict[bytes, None] = collections.OrderedDict(
+            (k, None) for k in list(on_disk)[-disk_blocks:] if disk_blocks)
+        self.stats = TierStats()
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.host or key in self.disk
+
+    def save(self, block: int, key: bytes) -> list[StateOp]:
+        """A device block holding the prefix ``key`` is about to be reused: keep its bytes (the operations,
+        queued before anything writes the block)."""
+        if key in self.host:
+            self.host.move_to_end(key)
+            return []
+        if key in self.disk:
+            self.disk.move_to_end(key)
+            return []
+        self.stats.saved += 1
+        if not self.host_slots:
+            return self._to_disk(key, lambda: SaveFile(block, key)) if self.disk_blocks else []
+        ops: list[StateOp] = []
+        if self._free:
+            slot = self._free.pop()
+        else:
+            old, slot = self.host.popitem(last=False)
+            if self.disk_blocks:
+                ops += self._to_disk(old, lambda: SpillSlot(slot, old))
+            else:
+                self.stats.dropped += 1
+        self.host[key] = slot
+        return ops + [SaveBlock(block, slot)]
+
+    def persist(self, device: list[tuple[int, bytes]]) -> list[StateOp]:
+        """Every host slot, then the device's published ``device`` blocks (block, key; least recently used
+        first), to the disk tier: the operations (the most recent kept where the disk budget runs out)."""
+        ops: list[StateOp] = []
+        if not self.disk_blocks:
+            return ops
+        for key, slot in list(self.host.items()):
+            if key not in self.disk:
+                ops += self._to_disk(key, lambda: SpillSlot(slot, key))
+        for block, key in device:
+            if key in self.disk:
+                self.disk.move_to_end(key)
+            elif key not in self.host:
+                ops += self._to_disk(key, lambda: SaveFile(block, key))
+        return ops
+
+    def load(self, key: bytes, block: int) -> StateOp | None:
+        """The operation that loads the prefix ``key`` into device ``block``, or None if no tier holds it."""
+        slot = self.host.get(key)
+        if slot is not None:
+            self.host.move_to_end(key)
+            self.stats.restored_host += 1
+            return LoadBlock(slot, block)
+        if key in self.disk:
+            if self._unwritten.get(key) == self.batch:
+                return None  # its file is written by operations not applied yet
+            self._unwritten.pop(key, None)
+            # Read (and checked) now, not when the load is applied: a file that does not check is a miss
+            # here, where the restore can stop, instead of a block of wrong bytes there.
+            payload = self._read(key) if self._read is not None else None
+            if payload is None:
+                del self.disk[key]
+                self.stats.load_failures += 1
+                return None
+            self.disk.move_to_end(key)
+            self.stats.restored_disk += 1
+            return LoadFile(payload, block)
+        return None
+
+    def _to_disk(self, key: bytes, write) -> list[StateOp]:
+        ops: list[StateOp] = []
+        if len(self.disk) >= self.disk_blocks:
+            old, _ = self.disk.popitem(last=False)
+            self._unwritten.pop(old, None)
+            ops.append(DropFile(old))
+            self.stats.dropped += 1
+        self.disk[key] = None
+        self._unwritten[key] = self.batch
+        self.stats.spilled += 1
+        return ops + [write()]
+
+    def usage(self) -> dict[str, int]:
+        return {"host_blocks": len(self.host), "host_slots": self.host_slots, "disk_blocks": len(self.disk),
+                "disk_capacity": self.disk_blocks}
+
+

@@ -1,0 +1,159 @@
+"""Tiers of the prefix cache: blocks the device evicts kept in host memory and on disk, loaded back instead of
+prefilled (bit for bit the bytes the device held), across an engine restart, and files that do not check
+are misses, never wrong bytes.
+
+The tiny bundle is paged (16 positions per block, max_seq_len 64). Its engines here have 8 blocks, so a
+few other prompts evict a prompt's cached blocks from the device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import onecopy
+from onecopy.runtime.kv_tiers import TierIndex, prefix_digest
+from onecopy.runtime.plan import DropFile, LoadBlock, SaveBlock, SaveFile, SpillSlot
+from onecopy.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0)
+PROMPT = list(range(3, 43))  # 40 tokens: two full blocks and a partial one
+NEXT = PROMPT + [50, 51, 52]  # the next turn: the two blocks are its cached prefix
+
+
+def _state(session) -> dict[str, torch.Tensor]:
+    return {k: v[:, :session.position].clone() for k, v in session.state.items()}
+
+
+def _evict(engine) -> None:
+    """Run other prompts until none of PROMPT's blocks is cached on the device any more."""
+    kv = engine.scheduler.kv
+    for i in range(8):
+        engine.submit([200 + i] * 40, GREEDY).result()
+        if not kv.lookup(PROMPT, touch=False):
+            return
+    raise AssertionError("the device cache kept PROMPT's blocks")
+
+
+@pytest.fixture(scope="module")
+def device_hit(tiny_bundle):
+    """NEXT's tokens and state with its two blocks cached on the device (no tiers)."""
+    with onecopy.Engine.load(tiny_bundle, kv_blocks=8, max_sessions=2) as e:
+        e.submit(PROMPT, GREEDY).result()
+        r = e.submit(NEXT, GREEDY, keep_session=True)
+        tokens = r.result()
+        assert r.cached_tokens == 32
+        state = _state(r.session)
+        r.session.close()
+    return tokens, state
+
+
+def _check_restored(engine, device_hit, tier: str) -> None:
+    tiers = engine.scheduler.kv.tiers
+    before = (tiers.stats.restored_host, tiers.stats.restored_disk)
+    r = engine.submit(NEXT, GREEDY, keep_session=True)
+    assert r.result() == device_hit[0]
+    assert r.cached_tokens == 32  # both blocks loaded, not prefilled
+    after = (tiers.stats.restored_host, tiers.stats.restored_disk)
+    assert (after[0] - before[0], after[1] - before[1]) == ((2, 0) if tier == "host" else (0, 2))
+    state = _state(r.session)
+    for k, v in device_hit[1].items():
+        assert torch.equal(state[k], v), k  # the bytes the device held, bit for bit
+    r.session.close()
+
+
+def test_evicted_blocks_come_back_from_host_memory(tiny_bundle, device_hit):
+    with onecopy.Engine.load(tiny_bundle, kv_blocks=8, max_sessions=2, kv_host_bytes=1 << 22) as e:
+        e.submit(PROMPT, GREEDY).result()
+        _evict(e)
+        tiers = e.scheduler.kv.tiers
+        assert tiers.stats.saved >= 2 and not tiers.disk
+        _check_restored(e, device_hit, "host")
+        # Loaded blocks are published again: the next prompt on them shares them on the device.
+        again = e.submit(NEXT, GREEDY)
+        assert again.result() == device_hit[0] and again.cached_tokens == 32
+        assert tiers.stats.restored_host == 2
+        r = e.memory_report()
+        assert r.kv_tier_restored == 2 and r.kv_tier_saved == tiers.stats.saved
+        assert r.kv_host_tier_bytes >= tiers.host_slots * e.runner.blocks.block_bytes > 0
+        assert "KV tiers: host / disk blocks" in str(r)
+
+
+def test_a_disk_tier_keeps_blocks_across_a_restart(tiny_bundle, device_hit, tmp_path):
+    # One host slot: the host tier spills to disk as blocks keep coming.
+    with onecopy.Engine.load(tiny_bundle, kv_blocks=8, max_sessions=2, kv_disk_dir=tmp_path) as e:
+        block_bytes = e.runner.blocks.block_bytes
+    with onecopy.Engine.load(tiny_bundle, kv_blocks=8, max_sessions=2, kv_host_bytes=block_bytes,
+                             kv_disk_dir=tmp_path) as e:
+        e.submit(PROMPT, GREEDY).result()
+        _evict(e)
+        tiers = e.scheduler.kv.tiers
+        assert tiers.host_slots == 1 and tiers.stats.spilled >= 1
+        files = sorted(tmp_path.glob("kv-*/*.kv"))
+        assert len(files) == len(tiers.disk) >= 1
+        assert all(f.stat().st_mode & 0o777 == 0o600 for f in files)
+    # Closing saved the host slot and the device's cached blocks too: nothing cached is lost to a restart.
+    files = sorted(tmp_path.glob("kv-*/*.kv"))
+    assert len(files) == len(tiers.disk) >= 1 + 1 + 8 - 2  # PROMPT's two, and what the device still cached
+    with onecopy.Engine.load(tiny_bundle, kv_blocks=8, max_sessions=2, kv_disk_dir=tmp_path) as e:  # restarted
+        assert len(e.scheduler.kv.tiers.disk) == len(files)
+        _check_restored(e, device_hit, "disk")
+
+
+def test_a_file_that_does_not_check_is_a_miss_and_is_deleted(tiny_bundle, device_hit, tmp_path):
+    with onecopy.Engine.load(tiny_bundle, kv_blocks=8, max_sessions=2, kv_disk_dir=tmp_path) as e:
+        e.submit(PROMPT, GREEDY).result()
+        _evict(e)
+    first = prefix_digest(b"", PROMPT[:16])
+    second = prefix_digest(first, PROMPT[16:32])
+    (path,) = tmp_path.glob(f"kv-*/{second.hex()}.kv")
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # the payload's last byte: the checksum no longer holds
+    path.write_bytes(bytes(data))
+    with onecopy.Engine.load(tiny_bundle, kv_blocks=8, max_sessions=2, kv_disk_dir=tmp_path) as e:
+        r = e.submit(NEXT, GREEDY)
+        assert r.result() == device_hit[0]  # the second block prefilled again, not loaded as it was
+        assert r.cached_tokens == 16
+        stats = e.scheduler.kv.tiers.stats
+        assert (stats.restored_disk, stats.load_failures) == (1, 1)
+        assert not path.exists()
+    # Another model's files live in another directory: never read.
+    assert len(list(tmp_path.glob("kv-*"))) == 1
+
+
+def test_tier_index_keeps_keys_lru_first_and_spills_or_drops():
+    idx = TierIndex(host_slots=2, disk_blocks=2, read=lambda key: b"payload")
+    k = [bytes([i]) * 16 for i in range(5)]
+    assert idx.save(10, k[0]) == [SaveBlock(10, 0)] and idx.save(11, k[1]) == [SaveBlock(11, 1)]
+    assert idx.save(12, k[0]) == []  # already kept: only touched
+    assert idx.save(13, k[2]) == [SpillSlot(1, k[1]), SaveBlock(13, 1)]  # k[1] was least recent
+    assert idx.save(14, k[3]) == [SpillSlot(0, k[0]), SaveBlock(14, 0)]
+    assert idx.save(15, k[4]) == [DropFile(k[1]), SpillSlot(1, k[2]), SaveBlock(15, 1)]  # the disk is full too
+    assert list(idx.disk) == [k[0], k[2]] and list(idx.host) == [k[3], k[4]]
+    assert idx.load(k[3], 7) == LoadBlock(0, 7)
+    assert idx.load(k[2], 8) is None  # its file is written by operations not applied yet
+    idx.batch += 1
+    assert idx.load(k[2], 8).payload == b"payload" and idx.stats.restored_disk == 1
+    assert idx.load(k[1], 9) is None  # dropped
+    bare = TierIndex(host_slots=0, disk_blocks=1)
+    assert bare.save(3, k[0]) == [SaveFile(3, k[0])]
+    assert TierIndex(host_slots=0).save(3, k[0]) == []  # no tier: nothing kept
+
+
+def test_bad_tier_options_are_refused(tiny_bundle):
+    with pytest.raises(onecopy.InputError, match="kv_host_bytes must be >= 0"):
+        onecopy.Engine.load(tiny_bundle, kv_host_bytes=-1)
+    with onecopy.Engine.load(tiny_bundle, prefix_cache=False, kv_host_bytes=1 << 20) as e:
+        assert e.scheduler.kv.tiers is None
+        assert "KV tiers" in e.prefix_cache_note
+
+
+def test_serve_puts_the_disk_tier_under_the_state_dir_unless_told_otherwise(tmp_path):
+    from onecopy.cli import build_parser, serve_engine_config
+
+    parse = build_parser().parse_args
+    c = serve_engine_config(parse(["serve", "--state-dir", str(tmp_path), "--kv-host-gib", "0.5"]))
+    assert (c.kv_disk_dir, c.kv_host_bytes, c.kv_disk_bytes) == (str(tmp_path / "kv"), 2**29, 16 << 30)
+    assert serve_engine_config(parse(["serve", "--state-dir", str(tmp_path), "--kv-disk-dir", "/x"])).kv_disk_dir == "/x"
+    assert serve_engine_config(parse(["serve", "--state-dir", str(tmp_path), "--kv-disk-gib", "0"])).kv_disk_dir is None
+    assert serve_engine_config(parse(["serve"])).kv_disk_dir is None
