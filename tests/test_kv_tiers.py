@@ -122,7 +122,7 @@ def test_a_file_that_does_not_check_is_a_miss_and_is_deleted(tiny_bundle, device
 
 
 def test_tier_index_keeps_keys_lru_first_and_spills_or_drops():
-    idx = TierIndex(host_slots=2, disk_blocks=2, read=lambda key: b"payload")
+    idx = TierIndex(host_slots=2, disk_blocks=2, read=lambda key: "payload")
     k = [bytes([i]) * 16 for i in range(5)]
     assert idx.save(10, k[0]) == [SaveBlock(10, 0)] and idx.save(11, k[1]) == [SaveBlock(11, 1)]
     assert idx.save(12, k[0]) == []  # already kept: only touched
@@ -133,7 +133,7 @@ def test_tier_index_keeps_keys_lru_first_and_spills_or_drops():
     assert idx.load(k[3], 7) == LoadBlock(0, 7)
     assert idx.load(k[2], 8) is None  # its file is written by operations not applied yet
     idx.batch += 1
-    assert idx.load(k[2], 8).payload == b"payload" and idx.stats.restored_disk == 1
+    assert idx.load(k[2], 8).payload == "payload" and idx.stats.restored_disk == 1
     assert idx.load(k[1], 9) is None  # dropped
     bare = TierIndex(host_slots=0, disk_blocks=1)
     assert bare.save(3, k[0]) == [SaveFile(3, k[0])]

@@ -16,8 +16,7 @@ import torch
 from ..bundle import TensorSpec
 from ..sampling import to_device
 from .tier_store import TierStore
-from .plan import (ClearTable, CopyBlock, DropFile, LoadBlock, LoadFile, SaveBlock, SaveFile, SetTable, SpillSlot,
-                   StateOp, ZeroBlocks)
+from .plan import ClearTable, CopyBlock, SetTable, StateOp, TierOp, ZeroBlocks
 from .pool import carve
 
 
@@ -41,10 +40,21 @@ class BlockTensors:
         """Carry out the KV cache manager's decisions, in effect in order, with a few launches for a step's
         many: every block zeroed between two copies in one fill per tensor, every table entry set in one
         write (a block's content ops never read the table, so table writes move freely among them; zeroing
-        only moves within a run without copies, whose sources may be blocks zeroed after them)."""
+        only moves within a run without copies, whose sources may be blocks zeroed after them), each run of
+        tier operations (saves to and loads from host and disk) moved together by the tiers' store."""
         zero: list[int] = []
         entries: dict[tuple[int, int], int] = {}  # (row, index) -> block: the last decision wins
+        tier: list[StateOp] = []  # a run of tier operations, not yet carried out
         for op in ops:
+            if isinstance(op, TierOp):
+                if not tier:
+                    self._zero(zero)  # the tiers read and write block contents: in order with the zeroing
+                    zero = []
+                tier.append(op)
+                continue
+            if tier:
+                self._tier(tier)
+                tier = []
             if isinstance(op, ZeroBlocks):
                 zero.extend(op.blocks)
             elif isinstance(op, SetTable):
@@ -58,30 +68,16 @@ class BlockTensors:
                 self._set(entries)
                 entries = {}
                 self.table[op.row, op.start:].fill_(self.scratch)
-            elif isinstance(op, SaveBlock | LoadBlock | SpillSlot | SaveFile | LoadFile | DropFile):
-                self._zero(zero)  # the tiers read and write block contents: in order with the zeroing
-                zero = []
-                self._tier(op)
             else:
                 raise TypeError(f"not a KV block operation: {op!r}")
+        if tier:
+            self._tier(tier)
         self._zero(zero)
         self._set(entries)
 
-    def _tier(self, op: StateOp) -> None:
-        tiers = self.tiers
-        assert tiers is not None, "tier operations are queued only where the tiers are on"
-        if isinstance(op, SaveBlock):
-            tiers.save(self.tensors, op.block, op.slot)
-        elif isinstance(op, LoadBlock):
-            tiers.load(self.tensors, op.slot, op.block)
-        elif isinstance(op, SpillSlot):
-            tiers.spill(op.slot, op.key)
-        elif isinstance(op, SaveFile):
-            tiers.save_file(self.tensors, op.block, op.key)
-        elif isinstance(op, LoadFile):
-            tiers.load_payload(self.tensors, op.payload, op.block)
-        else:
-            tiers.drop(op.key)
+    def _tier(self, ops: list[StateOp]) -> None:
+        assert self.tiers is not None, "tier operations are queued only where the tiers are on"
+        self.tiers.apply(ops, self.tensors)
 
     def _zero(self, blocks: list[int]) -> None:
         if blocks:  # as bytes: index_fill_ has no float8 kernel

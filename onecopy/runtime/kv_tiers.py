@@ -21,6 +21,7 @@ import hashlib
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .plan import DropFile, LoadBlock, LoadFile, SaveBlock, SaveFile, SpillSlot, StateOp
 
@@ -48,7 +49,7 @@ class TierIndex:
     """Which prefix keys live in which host slot or file (host only; callers hold the engine's lock)."""
 
     def __init__(self, host_slots: int, disk_blocks: int = 0, on_disk: Sequence[bytes] = (),
-                 read: Callable[[bytes], bytes | None] | None = None) -> None:
+                 read: Callable[[bytes], Any] | None = None) -> None:
         """``on_disk``: the keys the disk tier holds already, least recently used first; ``read``: a key's file's
         payload, checked (None: the file is gone or does not check)."""
         self.host_slots, self.disk_blocks, self._read = host_slots, disk_blocks, read

@@ -89,9 +89,10 @@ class SaveFile:
 
 @dataclass(frozen=True)
 class LoadFile:
-    """Write a disk tier file's checked payload (read when the load was decided) into KV block ``block``."""
+    """Write a disk tier file's checked payload (read when the load was decided: a host tensor of
+    `tier_store.TierStore.read`) into KV block ``block``."""
 
-    payload: bytes
+    payload: Any
     block: int
 
 
