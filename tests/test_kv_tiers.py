@@ -77,6 +77,14 @@ def test_evicted_blocks_come_back_from_host_memory(tiny_bundle, device_hit):
         assert r.kv_tier_restored == 2 and r.kv_tier_saved == tiers.stats.saved
         assert r.kv_host_tier_bytes >= tiers.host_slots * e.runner.blocks.block_bytes > 0
         assert "KV tiers: host / disk blocks" in str(r)
+        from prometheus_client import generate_latest
+
+        from onecopy.serve.metrics import ServerMetrics
+
+        text = generate_latest(ServerMetrics(e, None).registry).decode()
+        assert 'onecopy_kv_tier_restored_blocks_total{tier="host"} 2.0' in text
+        assert f'onecopy_kv_tier_blocks{{tier="host"}} {float(len(tiers.host))}' in text
+        assert f"onecopy_kv_tier_saved_blocks_total {float(tiers.stats.saved)}" in text
 
 
 def test_a_disk_tier_keeps_blocks_across_a_restart(tiny_bundle, device_hit, tmp_path):

@@ -36,6 +36,24 @@ class _Preemptions:
                                   value=self.stats.recomputed_tokens)
 
 
+class _TierCounts:
+    """The KV tiers' counters (`runtime.kv_tiers.TierStats`), read at each scrape."""
+
+    def __init__(self, stats) -> None:
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats
+        yield CounterMetricFamily("onecopy_kv_tier_saved_blocks", "Evicted KV blocks the tiers kept", value=s.saved)
+        restored = CounterMetricFamily("onecopy_kv_tier_restored_blocks", "KV blocks loaded back from a tier instead "
+                                       "of prefilled", labels=["tier"])
+        restored.add_metric(["host"], s.restored_host)
+        restored.add_metric(["disk"], s.restored_disk)
+        yield restored
+        yield CounterMetricFamily("onecopy_kv_tier_load_failures", "Disk tier files gone or failing their check when "
+                                  "a load was decided (prefilled instead)", value=s.load_failures)
+
+
 class ServerMetrics:
     def __init__(self, engine: "Engine", cache: "ConversationCache | None") -> None:
         self.registry = CollectorRegistry()
@@ -71,6 +89,12 @@ class ServerMetrics:
             for kind in ("shared", "private", "cached", "free"):  # host bookkeeping: readable after a failure too
                 kv.labels(kind).set_function(lambda kind=kind: 0 if engine.closed else blocks.usage()[kind])
             r.register(_Preemptions(engine))
+            if blocks.tiers is not None:
+                tier = Gauge("onecopy_kv_tier_blocks", "KV blocks the prefix cache's tiers hold: host memory, disk",
+                             ["tier"], registry=r)
+                tier.labels("host").set_function(lambda: len(blocks.tiers.host))
+                tier.labels("disk").set_function(lambda: len(blocks.tiers.disk))
+                r.register(_TierCounts(blocks.tiers.stats))
 
     def observe(self, stream: "TokenStream", reused: int) -> None:
         """Count a finished generation."""
