@@ -106,7 +106,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     config = ServerConfig(model_name=str(name), api_key=a.api_key, max_body_bytes=a.max_body_bytes,
                           conversation_cache=not a.no_conversation_cache, conversation_ttl_s=a.conversation_ttl,
                           max_conversations=a.max_conversations, state_dir=a.state_dir,
-                          max_stored_responses=a.max_stored_responses)
+                          max_stored_responses=a.max_stored_responses, max_state_bytes=int(a.state_dir_gib * 2**30))
     if a.host not in ("127.0.0.1", "localhost", "::1") and not a.api_key:
         print(f"onecopy: warning: serving on {a.host} without --api-key: anyone who reaches this port can use it",
               file=sys.stderr)
@@ -382,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="/v1/responses turns kept in memory for previous_response_id (least recently used go first)")
     v.add_argument("--state-dir", help="keep /v1/responses here too: a restarted server (or another replica on the "
                                        "same directory) continues them")
+    v.add_argument("--state-dir-gib", type=float, default=4.0, metavar="GIB",
+                   help="bytes of /v1/responses files --state-dir keeps, the least recently written deleted first "
+                        "(their ids then 404; default 4; the KV blocks there have --kv-disk-gib)")
     v.add_argument("--replicas", type=int, metavar="N",
                    help="serve from N engines on Ray Serve, one per GPU (or per CPU): pip install 'onecopy[ray]'")
     v.add_argument("--ray-address", metavar="auto|ADDR",

@@ -205,3 +205,23 @@ def test_the_store_keeps_a_byte_budget_private_files_and_deletions_across_server
     a.put(_entry(9))
     assert a.get(_entry(9).id).reply_text == "yo"  # in memory only...
     assert not [p for p in (tmp_path / "r").iterdir() if p.name.startswith(".")]  # ...and no temporary file left
+
+
+
+def test_the_state_directory_keeps_a_byte_budget_of_files(tmp_path):
+    """Response files past ``max_file_bytes`` go, least recently written first, and their responses with them (a
+    404, in memory too); a server started on the directory counts the files already there."""
+    from onecopy.serve.responses import ResponseStore
+
+    a = ResponseStore(directory=tmp_path / "r", fingerprint="f")
+    a.put(_entry(0))
+    size = (tmp_path / "r" / f"{_entry(0).id}.json").stat().st_size
+    small = ResponseStore(directory=tmp_path / "r", fingerprint="f", max_file_bytes=3 * size)
+    assert small._file_bytes == size  # found at start
+    for i in range(1, 5):
+        small.put(_entry(i))
+    kept = sorted(p.name for p in (tmp_path / "r").iterdir())
+    assert kept == sorted(f"{_entry(i).id}.json" for i in (2, 3, 4)) and small._file_bytes == 3 * size
+    assert small.get(_entry(1).id) is None and small.get(_entry(0).id) is None  # gone from memory too
+    assert small.get(_entry(4).id).reply_text == "yo"
+    assert small.delete(_entry(4).id) and small._file_bytes == 2 * size

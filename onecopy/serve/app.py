@@ -33,8 +33,8 @@ from .conversations import ConversationCache
 from .errors import APIError, bad_request, unavailable
 from .metrics import ServerMetrics
 from .protocol import GenerationRequest, check_model, parse_generation, parse_json
-from .responses import (DEFAULT_MAX_STORED, RESPONSE_ID_HEADER, ResponseStore, ResponsesRun, StoredResponse,
-                        input_items_page, not_found, parse_response_request)
+from .responses import (DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_STORED, RESPONSE_ID_HEADER, ResponseStore, ResponsesRun,
+                        StoredResponse, input_items_page, not_found, parse_response_request)
 from .text import ReplyText
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ class ServerConfig:
     max_conversations: int | None = None  # None: as many as there are rows (reclaimed when rows are needed)
     max_stored_responses: int = DEFAULT_MAX_STORED  # /v1/responses kept in memory for previous_response_id and GET
     state_dir: str | None = None  # where stored responses also go, to outlive the process (`responses.ResponseStore`)
+    max_state_bytes: int = DEFAULT_MAX_FILE_BYTES  # response files kept in state_dir (least recently written go first)
     retry_after_s: int = 1
 
 
@@ -221,7 +222,7 @@ class ServerState:
         self.metrics = ServerMetrics(engine, self.cache)
         self.responses = ResponseStore(config.max_stored_responses,
                                        Path(config.state_dir) / "responses" if config.state_dir else None,
-                                       engine.manifest.fingerprint())
+                                       engine.manifest.fingerprint(), max_file_bytes=config.max_state_bytes)
         self.metrics.responses_stored.set_function(lambda: len(self.responses))
         self.shutting_down = False
         self._transcriber = None

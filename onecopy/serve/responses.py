@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_STORED = 10_000  # responses kept in memory for previous_response_id / GET (least recently used go first)
 DEFAULT_MAX_STORED_BYTES = 1 << 30  # ... and at most about this many bytes of them (`StoredResponse.nbytes`)
+DEFAULT_MAX_FILE_BYTES = 4 << 30  # bytes of response files a state directory keeps (least recently written go first)
 RESPONSE_ID_HEADER = "x-onecopy-response-id"  # names a turn's id: the replicas' ingress routes turns on it there
 
 
@@ -73,17 +74,31 @@ class ResponseStore:
     used evicted), and with a
     ``directory`` also one JSON file each there (written atomically, removed on delete), so that a server
     started again on the same directory, or another replica sharing it, answers ``previous_response_id`` from
-    them (its first turn re-prefills the history: the device state did not survive). A file from another model
-    (``fingerprint``: the bundle's), or one that does not parse, is no response here: not found, and logged.
+    them (its first turn loads the KV blocks a disk tier kept, or re-prefills the history). The files stay under
+    ``max_file_bytes`` (the least recently written deleted first, their responses gone: 404). A file from another
+    model (``fingerprint``: the bundle's), or one that does not parse, is no response here: not found, and logged.
     Thread-safe."""
 
     def __init__(self, max_entries: int = DEFAULT_MAX_STORED, directory: Path | None = None,
-                 fingerprint: str = "", max_bytes: int = DEFAULT_MAX_STORED_BYTES) -> None:
+                 fingerprint: str = "", max_bytes: int = DEFAULT_MAX_STORED_BYTES,
+                 max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> None:
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.max_entries, self.max_bytes, self.directory, self.fingerprint = max_entries, max_bytes, directory, fingerprint
+        self.max_file_bytes = max_file_bytes
+        self._files: OrderedDict[str, int] = OrderedDict()  # this directory's response files: id -> bytes, oldest first
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True, mode=0o700)  # conversations: the server's user's alone
+            found = []
+            for e in os.scandir(directory):
+                if e.name.endswith(".json") and _ID.fullmatch(e.name[:-5]):
+                    try:
+                        st = e.stat()
+                    except OSError:
+                        continue
+                    found.append((st.st_mtime_ns, e.name[:-5], st.st_size))
+            self._files.update((rid, size) for _, rid, size in sorted(found))
+        self._file_bytes = sum(self._files.values())
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
         self._memory_only: set[str] = set()  # entries whose file could not be written
         self._bytes = 0
@@ -122,7 +137,9 @@ class ResponseStore:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 with os.fdopen(fd, "w") as f:
                     json.dump(record, f)
+                    size = f.tell()
                 os.replace(tmp, self._path(entry.id))
+                self._filed(entry.id, size)
             except OSError as e:
                 log.error("response %s not written to %s (%s): kept in memory only", entry.id, self.directory, e)
                 tmp.unlink(missing_ok=True)
@@ -141,10 +158,27 @@ class ResponseStore:
             path = self._path(response_id)
             found = found or path.is_file()
             path.unlink(missing_ok=True)
+            with self._lock:
+                self._file_bytes -= self._files.pop(response_id, 0)
         return found
 
     def _path(self, response_id: str) -> Path:
         return self.directory / f"{response_id}.json"
+
+    def _filed(self, response_id: str, size: int) -> None:
+        """A file written: counted, and the least recently written past ``max_file_bytes`` deleted, with
+        their responses (this one is kept whatever its size)."""
+        with self._lock:
+            self._file_bytes += size - self._files.pop(response_id, 0)
+            self._files[response_id] = size
+            gone = []
+            while self._file_bytes > self.max_file_bytes and len(self._files) > 1:
+                old, n = self._files.popitem(last=False)
+                self._file_bytes -= n
+                gone.append(old)
+        for old in gone:
+            self._forget(old)
+            self._path(old).unlink(missing_ok=True)
 
     def _forget(self, response_id: str) -> bool:
         with self._lock:
