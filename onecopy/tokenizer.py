@@ -29,7 +29,8 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render the template as transformers does (sandboxed Jinja, trim_blocks, lstrip_blocks)."""
+        """Render the template as transformers does (sandboxed Jinja, trim_blocks, lstrip_blocks). InputError when
+        the template refuses the messages (its ``raise_exception``, e.g. roles out of the order it takes)."""
         if not self.chat_template:
             raise InputError("this bundle has no chat template; pass raw=True (--raw) to send the prompt as is")
         from jinja2.exceptions import TemplateError
@@ -40,7 +41,11 @@ class Tokenizer:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt)
+        template = env.from_string(self.chat_template)
+        try:
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+        except TemplateError as e:
+            raise InputError(f"the model's chat template refuses these messages: {e}") from None
 
 
 class TextStream:

@@ -52,3 +52,19 @@ def test_info_device_memory(tiny_bundle):
     assert ok.returncode == 0 and "sessions fit in 80GiB" in ok.stdout and "4,096 MiB reserve" in ok.stdout
     bad = run_cli("info", tiny_bundle, "--device-memory", "lots")
     assert bad.returncode == 2 and "cannot read size 'lots'; write it like 80GiB" in bad.stderr
+
+
+def test_a_chat_template_that_refuses_the_messages_is_an_input_error():
+    """A template's raise_exception (roles out of the order it takes) is the caller's error, named, not a crash: the
+    server answers it with a 400 on /v1/chat/completions and /v1/responses alike."""
+    from tokenizers import Tokenizer as HFTokenizer, models
+
+    from onecopy.tokenizer import Tokenizer
+
+    tok = Tokenizer(HFTokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")).to_str(),
+                    "{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+                    "{{ raise_exception('System message must be first') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    assert tok.apply_chat_template([{"role": "system", "content": "a"}, {"role": "user", "content": "b"}]) == "ab"
+    with pytest.raises(onecopy.InputError, match="the model's chat template refuses these messages: System message "
+                                                 "must be first"):
+        tok.apply_chat_template([{"role": "user", "content": "b"}, {"role": "system", "content": "a"}])

@@ -27,8 +27,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from jinja2.exceptions import TemplateError
 
+from ..errors import InputError
 from .errors import APIError, bad_request, unsupported
 from .protocol import GenerationRequest, check_model, generation_params
 
@@ -344,9 +344,8 @@ def parse_response_request(body: dict, engine: Any, served: str, store: Response
     tok = engine.tokenizer
     try:
         prompt_text = tok.apply_chat_template(_chat_messages(instructions, messages))
-    except TemplateError as e:  # e.g. a template that takes no system message after the first turn
-        raise bad_request(f"the model's chat template refuses this conversation: {e}", param="input",
-                          code="invalid_value") from None
+    except InputError as e:  # e.g. a template that takes no system message after the first turn
+        raise bad_request(str(e), param="input", code="invalid_value") from None
     prompt_ids = None
     if previous is not None and previous.token_ids is not None and instructions == previous.instructions:
         # The previous turn's ids as generated, then the new text: its state covers all but the new input.
