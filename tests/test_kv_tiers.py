@@ -110,8 +110,7 @@ def test_a_disk_tier_keeps_blocks_across_a_restart(tiny_bundle, device_hit, tmp_
 
 def test_a_file_that_does_not_check_is_a_miss_and_is_deleted(tiny_bundle, device_hit, tmp_path):
     with onecopy.Engine.load(tiny_bundle, kv_blocks=8, max_sessions=2, kv_disk_dir=tmp_path) as e:
-        e.submit(PROMPT, GREEDY).result()
-        _evict(e)
+        e.submit(PROMPT, GREEDY).result()  # its blocks saved when the engine closes
     first = prefix_digest(b"", PROMPT[:16])
     second = prefix_digest(first, PROMPT[16:32])
     (path,) = tmp_path.glob(f"kv-*/{second.hex()}.kv")
@@ -143,8 +142,8 @@ def test_tier_index_keeps_keys_lru_first_and_spills_or_drops():
     idx.batch += 1
     assert idx.load(k[2], 8).payload == "payload" and idx.stats.restored_disk == 1
     assert idx.load(k[1], 9) is None  # dropped
-    bare = TierIndex(host_slots=0, disk_blocks=1)
-    assert bare.save(3, k[0]) == [SaveFile(3, k[0])]
+    bare = TierIndex(host_slots=0, disk_blocks=1)  # a disk tier alone: nothing on eviction, everything at close
+    assert bare.save(3, k[0]) == [] and bare.persist([(3, k[0])]) == [SaveFile(3, k[0])]
     assert TierIndex(host_slots=0).save(3, k[0]) == []  # no tier: nothing kept
 
 
@@ -192,3 +191,34 @@ def test_interleaved_prompts_through_every_tier_hold_the_bytes_of_a_prefill(tiny
                 want.session.close()
             s = tiered.scheduler.kv.tiers.stats
             assert s.restored_host and s.restored_disk and s.spilled and s.dropped, s
+
+
+def test_a_directory_over_budget_or_a_disk_that_refuses_deletes_never_stops_an_engine(tiny_bundle, tmp_path,
+                                                                                       monkeypatch):
+    """An engine started on a directory holding more blocks than its budget (another engine's, or a smaller
+    --kv-disk-gib) deletes the oldest; a file system that refuses deletions is logged, never an engine failure."""
+    from pathlib import Path
+
+    with onecopy.Engine.load(tiny_bundle, kv_blocks=8, max_sessions=2, kv_disk_dir=tmp_path) as e:
+        block = e.runner.blocks.block_bytes
+        for i in range(4):
+            e.submit([300 + i] * 40, GREEDY).result()
+    assert len(list(tmp_path.glob("kv-*/*.kv"))) >= 4
+    with onecopy.Engine.load(tiny_bundle, kv_blocks=8, max_sessions=2, kv_disk_dir=tmp_path,
+                             kv_disk_bytes=3 * block) as e:  # room for two files
+        assert len(e.scheduler.kv.tiers.disk) == len(list(tmp_path.glob("kv-*/*.kv"))) == 2
+
+    def refuse(self, missing_ok=False):
+        raise PermissionError(f"read-only: {self}")
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    with onecopy.Engine.load(tiny_bundle, kv_blocks=8, max_sessions=2, kv_host_bytes=block, kv_disk_dir=tmp_path,
+                             kv_disk_bytes=3 * block) as e:
+        for i in range(6):  # host spills to disk, the disk drops its oldest: every deletion refused
+            e.submit([310 + i] * 40, GREEDY).result()
+        assert e.scheduler.kv.tiers.stats.dropped and not e.failed
+
+
+def test_tiers_without_room_for_a_block_are_off_and_say_so(tiny_bundle, tmp_path):
+    with onecopy.Engine.load(tiny_bundle, kv_host_bytes=100, kv_disk_dir=tmp_path, kv_disk_bytes=0) as e:
+        assert e.scheduler.kv.tiers is None and "KV tiers off" in e.prefix_cache_note

@@ -115,6 +115,8 @@ class BlockTensors:
         return [spec.shape[0], self.width * self.block_size, *spec.shape[2:]]
 
     def release_memory(self) -> None:
+        if self.tiers is not None:
+            self.tiers.close()
         self.buffer.untyped_storage().resize_(0)
         self.table.untyped_storage().resize_(0)
         self.tensors = {}

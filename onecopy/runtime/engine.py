@@ -193,6 +193,9 @@ class Engine:
         if c.kv_host_bytes or c.kv_disk_dir:
             if self.prefix_cache:
                 tiers = self._kv_tiers(c)
+                if tiers is None:
+                    self.prefix_cache_note = ("KV tiers off: kv_host_bytes holds no block and the disk tier has no "
+                                              "room (kv_disk_dir without kv_disk_bytes)")
             else:
                 self.prefix_cache_note += "; the KV tiers (kv_host_bytes, kv_disk_dir) keep its blocks: off too"
         self.scheduler = Scheduler(rows, max_seq_len=m.max_seq_len, has_prefill=self.has_prefill,
@@ -212,10 +215,10 @@ class Engine:
                                  fail=self.loop.fail, submit=self.submit, wake=self.loop.wake,
                                  capacity_error=self._capacity_error, on_open=self._fresh_constants)
 
-    def _kv_tiers(self, c: EngineConfig) -> TierIndex:
+    def _kv_tiers(self, c: EngineConfig) -> TierIndex | None:
         """The host and disk tiers of the prefix cache (`kv_tiers`): their bytes held by the runner's blocks, their
         index for the scheduler's KV manager, with the files a disk tier already holds for this model (the
-        oldest past ``kv_disk_bytes`` deleted)."""
+        oldest past ``kv_disk_bytes`` deleted); None when neither tier has room for a block."""
         m, blocks = self.manifest, self.runner.blocks
         assert blocks is not None
         fingerprint = m.fingerprint()
@@ -223,6 +226,9 @@ class Engine:
         slots = c.kv_host_bytes // blocks.block_bytes
         store = TierStore({k: m.state[k] for k in m.paged_state}, slots, directory, fingerprint, self.device)
         disk_blocks = c.kv_disk_bytes // store.file_bytes if directory is not None else 0
+        if not slots and not disk_blocks:
+            store.close()
+            return None
         on_disk = store.keys_on_disk()
         for key in on_disk[:max(0, len(on_disk) - disk_blocks)]:
             store.drop(key)

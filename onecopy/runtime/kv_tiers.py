@@ -65,17 +65,18 @@ class TierIndex:
         return key in self.host or key in self.disk
 
     def save(self, block: int, key: bytes) -> list[StateOp]:
-        """A device block holding the prefix ``key`` is about to be reused: keep its bytes (the operations,
-        queued before anything writes the block)."""
+        """A device block holding the prefix ``key`` is about to be reused: keep its bytes in a host slot (the
+        operations, queued before anything writes the block). Without host slots nothing: a disk tier alone
+        takes the cached blocks at close (`persist`), not one file write per eviction on the step's path."""
         if key in self.host:
             self.host.move_to_end(key)
             return []
         if key in self.disk:
             self.disk.move_to_end(key)
             return []
+        if not self.host_slots:  # a disk tier alone takes blocks at close (`persist`), not on the step's path
+            return []
         self.stats.saved += 1
-        if not self.host_slots:
-            return self._to_disk(key, lambda: SaveFile(block, key)) if self.disk_blocks else []
         ops: list[StateOp] = []
         if self._free:
             slot = self._free.pop()
@@ -101,6 +102,7 @@ class TierIndex:
             if key in self.disk:
                 self.disk.move_to_end(key)
             elif key not in self.host:
+                self.stats.saved += 1
                 ops += self._to_disk(key, lambda: SaveFile(block, key))
         return ops
 

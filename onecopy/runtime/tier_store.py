@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import uuid
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,8 +47,13 @@ class TierStore:
             offset += specs[fqn].nbytes
         self.block_bytes = offset
         self.pinned = device.type == "cuda"
-        self.slots = torch.zeros((host_slots, self.block_bytes), dtype=torch.uint8,
-                                 pin_memory=self.pinned and host_slots > 0)
+        self.slots = torch.zeros((host_slots, self.block_bytes), dtype=torch.uint8)
+        self._registered = self.pinned and host_slots > 0 and _register(self.slots)
+        if self.pinned and host_slots > 0 and not self._registered:
+            # torch's pinned allocator rounds a block up to a power of two: up to twice the bytes asked for
+            log.warning("could not page-lock the KV host tier in place; pinning a copy (may take up to twice %d bytes)",
+                        self.slots.numel())
+            self.slots = self.slots.pin_memory()
         self.directory = directory
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -113,7 +119,7 @@ class TierStore:
             self._from_host(blocks, loads)
         for op in ops:
             if isinstance(op, DropFile):
-                self._path(op.key).unlink(missing_ok=True)
+                self.drop(op.key)
 
     def _pieces(self, n: int) -> list[slice]:
         """``n`` blocks in pieces of at most _STAGING_BYTES."""
@@ -155,7 +161,20 @@ class TierStore:
                     rows[i].copy_(op.payload, non_blocking=self.pinned)
             self._scatter(blocks, [op.block for op in ops], rows)
 
+    def close(self) -> None:
+        """Give the host slots' page lock back (their memory goes with this object)."""
+        if self._registered:
+            _unregister(self.slots)
+            self._registered = False
+
     # -- files -------------------------------------------------------------------------------------------
+    def drop(self, key: bytes) -> None:
+        """Delete ``key``'s file; a file system that refuses is logged (the file stays, counted out)."""
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError:
+            log.exception("could not delete KV block file %s", self._path(key))
+
     def _path(self, key: bytes) -> Path:
         assert self.directory is not None
         return self.directory / (key.hex() + _SUFFIX)
@@ -163,14 +182,17 @@ class TierStore:
     def _write(self, key: bytes, row: torch.Tensor) -> None:
         payload = row.numpy().tobytes()
         path = self._path(key)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
         try:
             with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
                 f.write(self.header + key + zlib.crc32(payload).to_bytes(4, "little") + payload)
             os.replace(tmp, path)
         except OSError:  # a full or read-only disk: the block is not kept, nothing else breaks
             log.exception("could not write KV block %s to %s", key.hex(), path)
-            tmp.unlink(missing_ok=True)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
 
     def read(self, key: bytes) -> torch.Tensor | None:
         """The payload of ``key``'s file (a host tensor, pinned on CUDA: its load is one asynchronous copy) if it
@@ -191,7 +213,7 @@ class TierStore:
                 zlib.crc32(view[h + 20:]).to_bytes(4, "little") != view[h + 16:h + 20]:
             log.error("KV block file %s is not this model's block %s or fails its checksum: deleted, its prefix "
                       "prefilled again", path, key.hex())
-            path.unlink(missing_ok=True)
+            self.drop(key)
             return None
         return data[h + 20:]
 
@@ -209,3 +231,19 @@ def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
         else:
             out.append((i, s, 1))
     return out
+
+
+def _register(t: torch.Tensor) -> bool:
+    """Page-lock ``t``'s memory in place for the device's asynchronous copies (cudaHostRegister: exactly its bytes,
+    where a pinned allocation is rounded up to a power of two); False if the driver refuses."""
+    try:
+        return int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)) == 0
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _unregister(t: torch.Tensor) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    except (AttributeError, RuntimeError):
+        log.exception("could not unregister the KV host tier's memory")
