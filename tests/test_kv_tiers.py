@@ -13,7 +13,7 @@ import torch
 
 import onecopy
 from onecopy.runtime.kv_tiers import TierIndex, prefix_digest
-from onecopy.runtime.plan import DropFile, LoadBlock, SaveBlock, SaveFile, SpillSlot
+from onecopy.runtime.plan import DropFile, LoadBlock, SaveBlock, SaveFile, SpillSlot, StateOps
 from onecopy.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0)
@@ -130,6 +130,8 @@ def test_a_file_that_does_not_check_is_a_miss_and_is_deleted(tiny_bundle, device
 
 def test_tier_index_keeps_keys_lru_first_and_spills_or_drops():
     idx = TierIndex(host_slots=2, disk_blocks=2, read=lambda key: "payload")
+    ops = StateOps()
+    idx.attach(ops)
     k = [bytes([i]) * 16 for i in range(5)]
     assert idx.save(10, k[0]) == [SaveBlock(10, 0)] and idx.save(11, k[1]) == [SaveBlock(11, 1)]
     assert idx.save(12, k[0]) == []  # already kept: only touched
@@ -139,7 +141,7 @@ def test_tier_index_keeps_keys_lru_first_and_spills_or_drops():
     assert list(idx.disk) == [k[0], k[2]] and list(idx.host) == [k[3], k[4]]
     assert idx.load(k[3], 7) == LoadBlock(0, 7)
     assert idx.load(k[2], 8) is None  # its file is written by operations not applied yet
-    idx.batch += 1
+    ops.take()  # the batch that writes it is applied
     assert idx.load(k[2], 8).payload == "payload" and idx.stats.restored_disk == 1
     assert idx.load(k[1], 9) is None  # dropped
     bare = TierIndex(host_slots=0, disk_blocks=1)  # a disk tier alone: nothing on eviction, everything at close

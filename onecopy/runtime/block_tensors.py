@@ -15,9 +15,9 @@ import torch
 
 from ..bundle import TensorSpec
 from ..sampling import to_device
-from .tier_store import TierStore
 from .plan import ClearTable, CopyBlock, SetTable, StateOp, TierOp, ZeroBlocks
 from .pool import carve
+from .tier_store import TierStore
 
 
 class BlockTensors:

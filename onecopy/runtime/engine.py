@@ -230,13 +230,13 @@ class Engine:
             store.close()
             return None
         on_disk = store.keys_on_disk()
-        for key in on_disk[:max(0, len(on_disk) - disk_blocks)]:
+        over = max(0, len(on_disk) - disk_blocks)
+        for key in on_disk[:over]:
             store.drop(key)
         blocks.tiers = store
         log.info("KV tiers: %d host slots (%.1f MiB)%s", slots, store.host_bytes / 2**20,
-                 f", {disk_blocks} blocks on disk at {directory} ({min(len(on_disk), disk_blocks)} there)"
-                 if directory else "")
-        return TierIndex(slots, disk_blocks, on_disk[-disk_blocks:] if disk_blocks else [], read=store.read)
+                 f", {disk_blocks} blocks on disk at {directory} ({len(on_disk) - over} there)" if directory else "")
+        return TierIndex(slots, disk_blocks, on_disk[over:], read=store.read)
 
     def _persist_kv(self) -> None:
         """At close, a disk tier takes every cached block the host and the device hold (`KVCacheManager.persist`):

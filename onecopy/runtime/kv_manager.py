@@ -62,6 +62,8 @@ class KVCacheManager:
         self._free = list(range(spec.blocks - 1, -1, -1))  # a stack: the lowest block is handed out first
         self.index = PrefixIndex(spec.block_size, digests=tiers is not None) if spec.prefix_cache else None
         self.tiers = tiers if spec.prefix_cache else None
+        if self.tiers is not None:
+            self.tiers.attach(ops)
         self.copies = 0  # blocks copied on write
         self.peak_used = 0  # the most blocks referenced by rows at once (`reset_peak` starts a new count)
         # Admitted fresh requests whose prompt is not all published yet, by their first block's ids (only a
@@ -213,7 +215,6 @@ class KVCacheManager:
         """Load the tiers' blocks ``keys`` into fresh blocks after ``req``'s row's shared ones and publish
         them; returns how many it loaded (a key the saves of these very takes pushed out ends the run)."""
         assert self.tiers is not None and self.index is not None
-        self.tiers.batch = self._ops.taken
         have = self.owned[req.row]
         first, fresh = len(have), [self._take() for _ in keys]  # evictions save first: queued before the loads
         loaded = 0
@@ -297,7 +298,6 @@ class KVCacheManager:
         """Queue the saving of every published block (least recently used first) and every host slot to the
         disk tier (an engine closing: another on the same directory finds them)."""
         if self.tiers is not None and self.index is not None:
-            self.tiers.batch = self._ops.taken
             self._ops.add(*self.tiers.persist([(b, self.index.digest(b)) for b in self.index.published()]))
 
     # -- accounting ---------------------------------------------------------------------------------
@@ -333,7 +333,6 @@ class KVCacheManager:
             block, freed, saved = evicted
             self._free.extend(freed)
             if self.tiers is not None:  # their bytes kept before anything reuses them
-                self.tiers.batch = self._ops.taken
                 for b, digest in saved:
                     self._ops.add(*self.tiers.save(b, digest))
         else:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .plan import DropFile, LoadBlock, LoadFile, SaveBlock, SaveFile, SpillSlot, StateOp
+from .plan import DropFile, LoadBlock, LoadFile, SaveBlock, SaveFile, SpillSlot, StateOp, StateOps
 
 ROOT_DIGEST = b""  # the parent of a prompt's first block
 
@@ -50,16 +50,24 @@ class TierIndex:
 
     def __init__(self, host_slots: int, disk_blocks: int = 0, on_disk: Sequence[bytes] = (),
                  read: Callable[[bytes], Any] | None = None) -> None:
-        """``on_disk``: the keys the disk tier holds already, least recently used first; ``read``: a key's file's
-        payload, checked (None: the file is gone or does not check)."""
+        """``on_disk``: the keys the disk tier holds already (at most ``disk_blocks``), least recently used first;
+        ``read``: a key's file's payload, checked (None: the file is gone or does not check)."""
         self.host_slots, self.disk_blocks, self._read = host_slots, disk_blocks, read
-        self.batch = 0  # the state operations' batch being queued (`plan.StateOps.taken`), set by the KV manager
+        self.ops: StateOps | None = None  # the queue the operations go to (`attach`): its batches date the files
         self._unwritten: dict[bytes, int] = {}  # key -> the batch whose operations write its file
         self.host: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> slot, LRU first
         self._free = list(range(host_slots - 1, -1, -1))
-        self.disk: collections.OrderedDict[bytes, None] = collections.OrderedDict(
-            (k, None) for k in list(on_disk)[-disk_blocks:] if disk_blocks)
+        self.disk: collections.OrderedDict[bytes, None] = collections.OrderedDict((k, None) for k in on_disk)
         self.stats = TierStats()
+
+    def attach(self, ops: StateOps) -> None:
+        """The KV manager's queue: operations returned here are queued in its batch ``ops.taken``."""
+        self.ops = ops
+
+    @property
+    def batch(self) -> int:
+        """The batch of state operations being queued (all before it are applied)."""
+        return self.ops.taken if self.ops is not None else 0
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.host or key in self.disk
@@ -74,7 +82,7 @@ class TierIndex:
         if key in self.disk:
             self.disk.move_to_end(key)
             return []
-        if not self.host_slots:  # a disk tier alone takes blocks at close (`persist`), not on the step's path
+        if not self.host_slots:
             return []
         self.stats.saved += 1
         ops: list[StateOp] = []
@@ -83,7 +91,7 @@ class TierIndex:
         else:
             old, slot = self.host.popitem(last=False)
             if self.disk_blocks:
-                ops += self._to_disk(old, lambda: SpillSlot(slot, old))
+                ops += self._to_disk(old, SpillSlot(slot, old))
             else:
                 self.stats.dropped += 1
         self.host[key] = slot
@@ -97,13 +105,13 @@ class TierIndex:
             return ops
         for key, slot in list(self.host.items()):
             if key not in self.disk:
-                ops += self._to_disk(key, lambda: SpillSlot(slot, key))
+                ops += self._to_disk(key, SpillSlot(slot, key))
         for block, key in device:
             if key in self.disk:
                 self.disk.move_to_end(key)
             elif key not in self.host:
                 self.stats.saved += 1
-                ops += self._to_disk(key, lambda: SaveFile(block, key))
+                ops += self._to_disk(key, SaveFile(block, key))
         return ops
 
     def load(self, key: bytes, block: int) -> StateOp | None:
@@ -129,7 +137,9 @@ class TierIndex:
             return LoadFile(payload, block)
         return None
 
-    def _to_disk(self, key: bytes, write) -> list[StateOp]:
+    def _to_disk(self, key: bytes, write: StateOp) -> list[StateOp]:
+        """``write`` (the operation that writes ``key``'s file), after the deletion of the least recently used file
+        where the disk tier is full."""
         ops: list[StateOp] = []
         if len(self.disk) >= self.disk_blocks:
             old, _ = self.disk.popitem(last=False)
@@ -139,10 +149,6 @@ class TierIndex:
         self.disk[key] = None
         self._unwritten[key] = self.batch
         self.stats.spilled += 1
-        return ops + [write()]
-
-    def usage(self) -> dict[str, int]:
-        return {"host_blocks": len(self.host), "host_slots": self.host_slots, "disk_blocks": len(self.disk),
-                "disk_capacity": self.disk_blocks}
+        return ops + [write]
 
 

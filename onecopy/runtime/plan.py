@@ -81,7 +81,7 @@ class SpillSlot:
 
 @dataclass(frozen=True)
 class SaveFile:
-    """Write KV block ``block`` to the file of prefix ``key`` (a disk tier without host slots)."""
+    """Write KV block ``block`` to the file of prefix ``key`` (an engine closing: `kv_tiers.TierIndex.persist`)."""
 
     block: int
     key: bytes

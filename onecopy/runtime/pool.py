@@ -16,16 +16,14 @@ from ..errors import InputError
 _ALIGN = 256  # bytes; keeps every pool tensor as aligned as a separate cudaMalloc would
 
 
-def carve(specs: dict[str, TensorSpec], count: int, device: torch.device,
-          pin_memory: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One zeroed buffer and, per FQN, a [count, *spec.shape] tensor carved from it (manifest order);
-    ``pin_memory``: a host buffer the device copies from and to asynchronously."""
+def carve(specs: dict[str, TensorSpec], count: int, device: torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One zeroed buffer and, per FQN, a [count, *spec.shape] tensor carved from it (manifest order)."""
     offsets, size = {}, 0
     for fqn in sorted(specs):
         size = -(-size // _ALIGN) * _ALIGN
         offsets[fqn] = size
         size += count * specs[fqn].nbytes
-    buffer = torch.zeros(max(size, 1), dtype=torch.uint8, device=device, pin_memory=pin_memory)
+    buffer = torch.zeros(max(size, 1), dtype=torch.uint8, device=device)
     tensors = {}
     for fqn, spec in specs.items():  # manifest order: the order methods take them in
         start, n = offsets[fqn], count * spec.nbytes

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import uuid
 import zlib
 from collections.abc import Sequence
@@ -23,12 +24,15 @@ from pathlib import Path
 import torch
 
 from ..bundle import TensorSpec, parse_dtype
+from ..sampling import to_device
+from ..state_files import oldest_first
 from .plan import DropFile, LoadBlock, LoadFile, SaveBlock, SaveFile, SpillSlot, StateOp
 
 log = logging.getLogger(__name__)
 
 _MAGIC = b"ONECOPYKV1\n"
 _SUFFIX = ".kv"
+_KEY = re.compile(r"[0-9a-f]{32}")  # a file's name: its key in hex
 _STAGING_BYTES = 64 << 20  # device bytes a transfer stages at once (a run of blocks moves in pieces this size)
 
 
@@ -71,19 +75,8 @@ class TierStore:
         left alone: a file being written by another engine, or not a block)."""
         if self.directory is None:
             return []
-        found = []
-        for entry in os.scandir(self.directory):
-            name = entry.name
-            if not name.endswith(_SUFFIX) or len(name) != 32 + len(_SUFFIX):
-                continue
-            try:
-                st = entry.stat()
-                key = bytes.fromhex(name[:32])
-            except (OSError, ValueError):
-                continue
-            if st.st_size == self.file_bytes:
-                found.append((st.st_mtime_ns, key))
-        return [k for _, k in sorted(found)]
+        return [bytes.fromhex(stem) for stem, size in oldest_first(self.directory, _KEY, _SUFFIX)
+                if size == self.file_bytes]
 
     # -- operations (block_tensors.BlockTensors.apply hands over each run of them, in order) --------------
     def apply(self, ops: Sequence[StateOp], blocks: dict[str, torch.Tensor]) -> None:
@@ -110,9 +103,9 @@ class TierStore:
         if saves:
             self._to_host(blocks, [op.block for op in saves], [op.slot for op in saves])
         files = [op for op in ops if isinstance(op, SaveFile)]
-        if files:
-            rows = self._gather(blocks, [op.block for op in files]).cpu()
-            for op, row in zip(files, rows):
+        for part in self._pieces(len(files)):  # in pieces: at close every cached block comes this way
+            rows = self._gather(blocks, [op.block for op in files[part]]).cpu()
+            for op, row in zip(files[part], rows):
                 self._write(op.key, row)
         loads = [op for op in ops if isinstance(op, LoadBlock | LoadFile)]
         if loads:
@@ -129,7 +122,7 @@ class TierStore:
     def _gather(self, blocks: dict[str, torch.Tensor], ids: list[int]) -> torch.Tensor:
         """Rows [len(ids), block_bytes] on the device: the blocks ``ids``, each FQN's bytes at its offset (as
         bytes: float8 has no gather kernel)."""
-        idx = torch.tensor(ids, device=self.device)
+        idx = to_device(torch.tensor(ids, dtype=torch.long), self.device)
         rows = torch.empty((len(ids), self.block_bytes), dtype=torch.uint8, device=self.device)
         for fqn, t in blocks.items():
             part = t.view(torch.uint8).index_select(0, idx).view(len(ids), -1)
@@ -138,7 +131,7 @@ class TierStore:
 
     def _scatter(self, blocks: dict[str, torch.Tensor], ids: list[int], rows: torch.Tensor) -> None:
         """`_gather`'s rows written into the blocks ``ids``."""
-        idx = torch.tensor(ids, device=self.device)
+        idx = to_device(torch.tensor(ids, dtype=torch.long), self.device)
         for fqn, t in blocks.items():
             b = t.view(torch.uint8)
             o = self.offsets[fqn]

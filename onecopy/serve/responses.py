@@ -27,8 +27,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-
 from ..errors import InputError
+from ..state_files import oldest_first
 from .errors import APIError, bad_request, unsupported
 from .protocol import GenerationRequest, check_model, generation_params
 
@@ -89,15 +89,7 @@ class ResponseStore:
         self._files: OrderedDict[str, int] = OrderedDict()  # this directory's response files: id -> bytes, oldest first
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True, mode=0o700)  # conversations: the server's user's alone
-            found = []
-            for e in os.scandir(directory):
-                if e.name.endswith(".json") and _ID.fullmatch(e.name[:-5]):
-                    try:
-                        st = e.stat()
-                    except OSError:
-                        continue
-                    found.append((st.st_mtime_ns, e.name[:-5], st.st_size))
-            self._files.update((rid, size) for _, rid, size in sorted(found))
+            self._files.update(oldest_first(directory, _ID, ".json"))
         self._file_bytes = sum(self._files.values())
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
         self._memory_only: set[str] = set()  # entries whose file could not be written
