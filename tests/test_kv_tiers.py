@@ -16,6 +16,8 @@ from onecopy.runtime.kv_tiers import TierIndex, prefix_digest
 from onecopy.runtime.plan import DropFile, LoadBlock, SaveBlock, SaveFile, SpillSlot, StateOps
 from onecopy.sampling import SamplingParams
 
+from .conftest import wait_until
+
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0)
 PROMPT = list(range(3, 43))  # 40 tokens: two full blocks and a partial one
 NEXT = PROMPT + [50, 51, 52]  # the next turn: the two blocks are its cached prefix
@@ -87,6 +89,37 @@ def test_evicted_blocks_come_back_from_host_memory(tiny_bundle, device_hit):
         assert f"onecopy_kv_tier_saved_blocks_total {float(tiers.stats.saved)}" in text
 
 
+def test_a_cached_block_is_copied_to_a_free_host_slot_before_its_eviction(tiny_bundle, device_hit):
+    """A block the cache keeps goes to a free host slot at once (beside the steps), so evicting it later, on
+    another request's way to its first token, copies nothing; with no free slot nothing is copied ahead."""
+    with onecopy.Engine.load(tiny_bundle, kv_blocks=8, max_sessions=2, kv_host_bytes=1 << 22) as e:
+        kv, tiers = e.scheduler.kv, e.scheduler.kv.tiers
+        e.submit(PROMPT, GREEDY).result()
+        blocks = kv.lookup(PROMPT, touch=False)
+        keys = [kv.index.digest(b) for b in blocks]
+        assert len(keys) == 2 and all(k in tiers.host for k in keys) and tiers.stats.saved == 2
+        assert wait_until(lambda: not len(e.scheduler.ops))  # the copies are made while the engine is idle
+        slots = [tiers.host[k] for k in keys]
+        saves = []  # copies into those slots from now on
+        apply = e.runner.blocks.tiers.apply
+        e.runner.blocks.tiers.apply = lambda ops, t: saves.extend(
+            op for op in ops if isinstance(op, SaveBlock) and op.slot in slots) or apply(ops, t)
+        _evict(e)
+        assert saves == []  # evicted without a copy: the host slots had them
+        _check_restored(e, device_hit, "host")
+    with onecopy.Engine.load(tiny_bundle, kv_blocks=8, max_sessions=2) as plain:
+        block = plain.runner.blocks.block_bytes
+    with onecopy.Engine.load(tiny_bundle, kv_blocks=8, max_sessions=2, kv_host_bytes=2 * block) as e:
+        tiers = e.scheduler.kv.tiers
+        e.submit(PROMPT, GREEDY).result()
+        assert len(tiers.host) == 2 and not tiers._free
+        held = list(tiers.host)
+        e.submit([300] * 40, GREEDY).result()  # cached too, but the slots are taken: nothing copied ahead
+        kv = e.scheduler.kv
+        assert tiers.stats.saved == 2 and list(tiers.host) == held
+        assert not any(kv.index.digest(b) in tiers.host for b in kv.lookup([300] * 40, touch=False))
+
+
 def test_a_disk_tier_keeps_blocks_across_a_restart(tiny_bundle, device_hit, tmp_path):
     # One host slot: the host tier spills to disk as blocks keep coming.
     with onecopy.Engine.load(tiny_bundle, kv_blocks=8, max_sessions=2, kv_disk_dir=tmp_path) as e:
@@ -129,7 +162,8 @@ def test_a_file_that_does_not_check_is_a_miss_and_is_deleted(tiny_bundle, device
 
 
 def test_tier_index_keeps_keys_lru_first_and_spills_or_drops():
-    idx = TierIndex(host_slots=2, disk_blocks=2, read=lambda key: "payload")
+    reads: list[list[bytes]] = []
+    idx = TierIndex(host_slots=2, disk_blocks=2, read=lambda keys: reads.append(list(keys)) or [b"file"] * len(keys))
     ops = StateOps()
     idx.attach(ops)
     k = [bytes([i]) * 16 for i in range(5)]
@@ -139,11 +173,13 @@ def test_tier_index_keeps_keys_lru_first_and_spills_or_drops():
     assert idx.save(14, k[3]) == [SpillSlot(0, k[0]), SaveBlock(14, 0)]
     assert idx.save(15, k[4]) == [DropFile(k[1]), SpillSlot(1, k[2]), SaveBlock(15, 1)]  # the disk is full too
     assert list(idx.disk) == [k[0], k[2]] and list(idx.host) == [k[3], k[4]]
-    assert idx.load(k[3], 7) == LoadBlock(0, 7)
-    assert idx.load(k[2], 8) is None  # its file is written by operations not applied yet
+    assert idx.load([k[3]], [7]) == [LoadBlock(0, 7)]
+    assert idx.load([k[4], k[2]], [7, 8]) == [LoadBlock(1, 7)]  # k[2]'s file is written by operations not applied
+    assert reads == []  # ... so it was not read
     ops.take()  # the batch that writes it is applied
-    assert idx.load(k[2], 8).payload == "payload" and idx.stats.restored_disk == 1
-    assert idx.load(k[1], 9) is None  # dropped
+    got = idx.load([k[2], k[0], k[1], k[3]], [8, 9, 10, 11])  # up to k[1]: dropped
+    assert [op.payload for op in got] == [b"file", b"file"] and idx.stats.restored_disk == 2
+    assert reads == [[k[2], k[0]]]  # the run's files, read together, and none past its end
     bare = TierIndex(host_slots=0, disk_blocks=1)  # a disk tier alone: nothing on eviction, everything at close
     assert bare.save(3, k[0]) == [] and bare.persist([(3, k[0])]) == [SaveFile(3, k[0])]
     assert TierIndex(host_slots=0).save(3, k[0]) == []  # no tier: nothing kept
@@ -224,3 +260,35 @@ def test_a_directory_over_budget_or_a_disk_that_refuses_deletes_never_stops_an_e
 def test_tiers_without_room_for_a_block_are_off_and_say_so(tiny_bundle, tmp_path):
     with onecopy.Engine.load(tiny_bundle, kv_host_bytes=100, kv_disk_dir=tmp_path, kv_disk_bytes=0) as e:
         assert e.scheduler.kv.tiers is None and "KV tiers off" in e.prefix_cache_note
+
+
+def test_a_thousand_conversations_on_a_cache_that_holds_64_all_resume_after_a_restart(tiny_bundle, tmp_path):
+    """1,000 conversations through a device cache with room for 64 of them, a host tier for 100 and a disk tier
+    for all: after a restart every one resumes from its saved blocks (none prefilled again) with the tokens of a
+    whole prefill (checked on a sample against an engine without a cache)."""
+    import random
+
+    rng = random.Random(1)
+    three = SamplingParams(max_new_tokens=3, temperature=0)
+    prompts = [[rng.randrange(3, 400) for _ in range(30)] for _ in range(1000)]
+    with onecopy.Engine.load(tiny_bundle, kv_blocks=8) as probe:
+        block = probe.runner.blocks.block_bytes
+    options = dict(kv_blocks=2 * 64 + 16, max_sessions=8, kv_host_bytes=200 * block, kv_disk_dir=tmp_path,
+                   kv_disk_bytes=2100 * block)
+    with onecopy.Engine.load(tiny_bundle, **options) as e:
+        streams = [e.submit(p, three, stop_ids=[]) for p in prompts]
+        histories = [p + s.result() for p, s in zip(prompts, streams)]  # 33 ids: two whole blocks each
+        s = e.scheduler.kv.tiers.stats
+        assert s.spilled and not s.dropped
+    one = SamplingParams(max_new_tokens=1, temperature=0)
+    turns = [h + [rng.randrange(3, 400)] for h in histories]
+    with onecopy.Engine.load(tiny_bundle, **options) as e:
+        assert len(e.scheduler.kv.tiers.disk) == 2000
+        streams = [e.submit(t, one, stop_ids=[]) for t in turns]
+        got = [s.result() for s in streams]
+        assert [s.cached_tokens for s in streams] == [32] * 1000  # every conversation's blocks found
+        assert e.scheduler.kv.tiers.stats.restored_disk == 2000 and not e.scheduler.kv.tiers.stats.load_failures
+    sample = rng.sample(range(1000), 40)
+    with onecopy.Engine.load(tiny_bundle, max_sessions=8, prefix_cache=False) as plain:
+        want = [plain.submit(turns[i], one, stop_ids=[]) for i in sample]
+        assert [w.result() for w in want] == [got[i] for i in sample]

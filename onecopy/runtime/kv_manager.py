@@ -14,8 +14,9 @@ into one (the scheduler preempts the latest such request when none is left: it c
 from its ids). Admission leaves free the share ``new_token_ratio`` of the blocks running requests may
 still take (`to_come`; `fits`). A request that continues a session's state reserves every block it may
 write at admission: what its row held before cannot be recomputed.
-With tiers (`kv_tiers.TierIndex`), an evicted cached block is saved to host memory or disk before it is
-reused, and a fresh request's prefix continues past the device's cached blocks into the tiers: the blocks
+With tiers (`kv_tiers.TierIndex`), a block that becomes cached (published, no row holds it) is copied to
+a free host slot, if there is one, and an evicted cached block is saved to host memory or disk before it is
+reused (if it is not there yet), and a fresh request's prefix continues past the device's cached blocks into the tiers: the blocks
 found there are loaded into fresh blocks (and published again) instead of prefilled.
 """
 
@@ -194,18 +195,22 @@ class KVCacheManager:
             return [], [], 0
         ids = req.feed(0, req.feed_len)
         found = self.lookup(ids, touch)
-        keys = self._tier_keys(ids, found) if self.tiers is not None else []
+        keys = self._tier_keys(ids, found, req.digests) if self.tiers is not None else []
         cached = min((len(found) + len(keys)) * self.block_size, req.feed_len - 1)
         return found[:self.blocks_for(cached)], keys, cached
 
-    def _tier_keys(self, ids: Sequence[int], found: list[int]) -> list[bytes]:
+    def _tier_keys(self, ids: Sequence[int], found: list[int], known: dict[int, bytes]) -> list[bytes]:
         """The tiers' keys of the whole blocks of ``ids`` after the device's ``found`` ones, up to the first
-        the tiers miss (blocks before the last id only: that one is always prefilled)."""
+        the tiers miss (blocks before the last id only: that one is always prefilled). ``known``: the keys
+        of ``ids``' blocks by index, as far as computed (completed here)."""
         assert self.tiers is not None and self.index is not None
         bs, keys = self.block_size, []
-        parent = self.index.digest(found[-1]) if found else ROOT_DIGEST
+        parent = known.get(len(found) - 1) or (self.index.digest(found[-1]) if found else ROOT_DIGEST)
         for i in range(len(found), (len(ids) - 1) // bs):
-            parent = prefix_digest(parent, ids[i * bs:(i + 1) * bs])
+            digest = known.get(i)
+            if digest is None:
+                digest = known[i] = prefix_digest(parent, ids[i * bs:(i + 1) * bs])
+            parent = digest
             if parent not in self.tiers:
                 break
             keys.append(parent)
@@ -217,20 +222,16 @@ class KVCacheManager:
         assert self.tiers is not None and self.index is not None
         have = self.owned[req.row]
         first, fresh = len(have), [self._take() for _ in keys]  # evictions save first: queued before the loads
-        loaded = 0
-        for block, key in zip(fresh, keys):
-            op = self.tiers.load(key, block)
-            if op is None:
-                break
-            self._ops.add(op)
-            loaded += 1
+        loads = self.tiers.load(keys, fresh)
+        self._ops.add(*loads)
+        loaded = len(loads)
         for block in fresh[loaded:]:
             self.refs[block] = 0
             self._free.append(block)
         if loaded:
             have.extend(fresh[:loaded])
             self._ops.add(SetTable(req.row, first, tuple(fresh[:loaded])))
-            self.index.publish(have, req.feed(0, len(have) * self.block_size))
+            self.index.publish(have, req.feed(0, len(have) * self.block_size), req.digests)
         return loaded
 
     def to_come(self, req: Request, ratio: float) -> float:
@@ -349,5 +350,9 @@ class KVCacheManager:
 
     def _unreference(self, block: int) -> None:
         self.refs[block] -= 1
-        if self.refs[block] == 0 and not (self.index is not None and self.index.unreferenced(block)):
+        if self.refs[block]:
+            return
+        if self.index is None or not self.index.unreferenced(block):
             self._free.append(block)
+        elif self.tiers is not None:  # cached now: copied to the host ahead of its eviction where there is room
+            self._ops.add(*self.tiers.keep(block, self.index.digest(block)))

@@ -1,17 +1,17 @@
-"""KV blocks past the device: cached prefixes the device evicts kept in host memory, then on disk, and
-loaded back into fresh device blocks instead of prefilled again.
-
-When the prefix cache evicts a block (no row holds it, least recently used) and tiers are on, its bytes
-are saved to a host slot first; when the host slots are full the least recently used slot is written to
-a file of the disk tier (or dropped without one). A block's key is a digest of its whole prefix (every
-token from position 0), so a block saved by one engine is found by any engine of the same model on the
-same directory, after a restart too. A prompt whose prefix the device cache does not hold is looked up
-here block by block, after the device's blocks; what is found is loaded instead of prefilled.
+"""KV blocks past the device: cached prefixes the device evicts kept in host memory, then on disk, and loaded back
+into fresh device blocks instead of prefilled again. A block the prefix cache keeps (no row holds it) is copied
+to a free host slot as soon as it is kept (beside the steps, while the host tier has room), and when the cache
+evicts a block not saved yet (no row holds it, least recently used), its bytes are saved to a host slot first;
+when the host slots are full the least recently used slot is written to a file of the disk tier (or dropped
+without one). A block's key is a digest of its whole prefix (every token from position 0), so a block saved by
+one engine is found by any engine of the same model on the same directory, after a restart too. A prompt whose
+prefix the device cache does not hold is looked up here block by block, after the device's blocks; what is found
+is loaded instead of prefilled.
 
 Two halves, as the device cache has: `TierIndex` here decides (host only: which key lives in which
 slot or file, least recently used first) and queues state operations (`plan.SaveBlock` ...);
 `tier_store.TierStore` holds the bytes (pinned host slots, the files) and carries the operations out for
-`block_tensors.BlockTensors`, in order, on the device's stream.
+`block_tensors.BlockTensors`, in effect in order.
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ class TierIndex:
     """Which prefix keys live in which host slot or file (host only; callers hold the engine's lock)."""
 
     def __init__(self, host_slots: int, disk_blocks: int = 0, on_disk: Sequence[bytes] = (),
-                 read: Callable[[bytes], Any] | None = None) -> None:
+                 read: Callable[[Sequence[bytes]], list[Any]] | None = None) -> None:
         """``on_disk``: the keys the disk tier holds already (at most ``disk_blocks``), least recently used first;
-        ``read``: a key's file's payload, checked (None: the file is gone or does not check)."""
+        ``read``: the keys' files' payloads, checked (None for a file that is gone or does not check)."""
         self.host_slots, self.disk_blocks, self._read = host_slots, disk_blocks, read
         self.ops: StateOps | None = None  # the queue the operations go to (`attach`): its batches date the files
         self._unwritten: dict[bytes, int] = {}  # key -> the batch whose operations write its file
@@ -97,6 +97,17 @@ class TierIndex:
         self.host[key] = slot
         return ops + [SaveBlock(block, slot)]
 
+    def keep(self, block: int, key: bytes) -> list[StateOp]:
+        """A device block holding the prefix ``key`` became cached (no row holds it: its bytes are final): copied
+        to a free host slot now, while nothing waits for it (the copy runs beside the steps), so that its
+        eviction, on some request's path to its first token, copies nothing. Never evicts a slot for it:
+        without a free slot, nothing (`save` keeps it when it is evicted)."""
+        if not self._free or key in self.host or key in self.disk:
+            return []
+        self.stats.saved += 1
+        self.host[key] = slot = self._free.pop()
+        return [SaveBlock(block, slot)]
+
     def persist(self, device: list[tuple[int, bytes]]) -> list[StateOp]:
         """Every host slot, then the device's published ``device`` blocks (block, key; least recently used
         first), to the disk tier: the operations (the most recent kept where the disk budget runs out)."""
@@ -114,28 +125,34 @@ class TierIndex:
                 ops += self._to_disk(key, SaveFile(block, key))
         return ops
 
-    def load(self, key: bytes, block: int) -> StateOp | None:
-        """The operation that loads the prefix ``key`` into device ``block``, or None if no tier holds it."""
-        slot = self.host.get(key)
-        if slot is not None:
-            self.host.move_to_end(key)
-            self.stats.restored_host += 1
-            return LoadBlock(slot, block)
-        if key in self.disk:
-            if self._unwritten.get(key) == self.batch:
-                return None  # its file is written by operations not applied yet
+    def load(self, keys: Sequence[bytes], blocks: Sequence[int]) -> list[StateOp]:
+        """The operations that load the prefixes ``keys`` into device ``blocks``, in order, up to the first key no
+        tier holds (or whose file is gone, does not check, or is written by operations not applied yet)."""
+        ops: list[StateOp] = []
+        run = 0  # the keys a tier holds, up to the first it does not
+        while run < len(keys) and (keys[run] in self.host or (
+                keys[run] in self.disk and self._unwritten.get(keys[run]) != self.batch)):
+            run += 1
+        disk = [k for k in keys[:run] if k not in self.host]
+        # Read (and checked) now, all together (`read` may spread them over threads), not when the loads are
+        # applied: a file that does not check is a miss here, where the restore can stop, not wrong bytes there.
+        payloads = dict(zip(disk, self._read(disk))) if disk and self._read is not None else {}
+        for key, block in zip(keys[:run], blocks):
+            slot = self.host.get(key)
+            if slot is not None:
+                self.host.move_to_end(key)
+                self.stats.restored_host += 1
+                ops.append(LoadBlock(slot, block))
+                continue
             self._unwritten.pop(key, None)
-            # Read (and checked) now, not when the load is applied: a file that does not check is a miss
-            # here, where the restore can stop, instead of a block of wrong bytes there.
-            payload = self._read(key) if self._read is not None else None
-            if payload is None:
+            if payloads[key] is None:
                 del self.disk[key]
                 self.stats.load_failures += 1
-                return None
+                break
             self.disk.move_to_end(key)
             self.stats.restored_disk += 1
-            return LoadFile(payload, block)
-        return None
+            ops.append(LoadFile(payloads[key], block))
+        return ops
 
     def _to_disk(self, key: bytes, write: StateOp) -> list[StateOp]:
         """``write`` (the operation that writes ``key``'s file), after the deletion of the least recently used file

@@ -155,6 +155,10 @@ class EngineLoop:
                         else:
                             pending = launched
                         self._retire_finished()
+                    elif self.scheduler.ops:
+                        # Decisions left by the last requests (their cached blocks copied to the host tier
+                        # ahead of eviction): carried out now, while idle, not in the next request's first step.
+                        self.runner.apply(self.scheduler.ops.take())
                 if not work:
                     self._kick.wait()
         except Exception as e:  # the device's state is unknown now: fail closed

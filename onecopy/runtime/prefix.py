@@ -69,10 +69,10 @@ class PrefixIndex:
         assert self._digest is not None
         return self._digest[block]
 
-    def publish(self, blocks: Sequence[int], tokens: Sequence[int]) -> None:
+    def publish(self, blocks: Sequence[int], tokens: Sequence[int], known: dict[int, bytes] | None = None) -> None:
         """Publish the full blocks of a session that holds ``tokens`` in ``blocks`` (its table, in order).
         A block already published stays as it is; a prefix another block already holds is left private
-        (its first holder keeps serving it)."""
+        (its first holder keeps serving it). ``known``: digests of ``tokens``' blocks by index, computed already."""
         parent, bs, digests = _ROOT, self.block_size, self._digest
         for i in range(min(len(tokens) // bs, len(blocks))):
             block, key = blocks[i], (parent, tuple(tokens[i * bs:(i + 1) * bs]))
@@ -84,7 +84,8 @@ class PrefixIndex:
                 if parent != _ROOT:
                     self._children[parent].add(block)
                 if digests is not None:
-                    digests[block] = prefix_digest(digests[parent] if parent != _ROOT else ROOT_DIGEST, key[1])
+                    digest = known.get(i) if known else None
+                    digests[block] = digest or prefix_digest(digests[parent] if parent != _ROOT else ROOT_DIGEST, key[1])
             parent = block
 
     def referenced(self, block: int) -> None:

@@ -59,6 +59,9 @@ class Request:
     preemptions: int = 0  # times its row was emptied for others' KV blocks
     reserve: bool = False  # preempted with no other request to take blocks from: it waits for all it may write
     arrival: int = 0  # its place in the order the scheduler was given requests
+    # The KV tiers' keys (`kv_tiers.prefix_digest`) of the whole blocks it reads, by block index, as far as
+    # looked up: admission asks more than once, and a 4k-token prompt's chain is 256 digests.
+    digests: dict[int, bytes] = field(default_factory=dict, repr=False)
 
     @property
     def row(self) -> int:

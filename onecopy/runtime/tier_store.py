@@ -7,7 +7,10 @@ kernel per FQN on the device and one copy per run of consecutive slots between h
 per block and FQN (H200, 8-layer 8B shape: 256 blocks of 512 KiB loaded in 64 ms one by one).
 A file is ``<key hex>.kv``: a header (the model's fingerprint and the block's state layout), the key, a CRC-32
 of the payload, then the payload. It is written whole under a temporary name and renamed, and read (checked)
-when a load is decided (`kv_tiers.TierIndex.load`): one that does not check is a miss, never wrong bytes.
+when a load is decided (`kv_tiers.TierIndex.load`): one that does not check is a miss, never wrong bytes; a
+restore's files are read together, on several threads, into one page-locked buffer.
+On CUDA the copies to the host run on a stream of their own (the step's stream gathers the blocks first, and
+waits for a slot's copy only before reading that slot back), so saving blocks overlaps loads and steps.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import re
 import uuid
 import zlib
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -64,6 +68,11 @@ class TierStore:
         self.header = _MAGIC + json.dumps({"fingerprint": fingerprint, "state": {
             k: [list(specs[k].shape), specs[k].dtype] for k in self.fqns}}, sort_keys=True).encode() + b"\n"
         self.file_bytes = len(self.header) + 16 + 4 + self.block_bytes  # header, key, CRC-32, payload
+        self._readers: ThreadPoolExecutor | None = None
+        # Saves copy to the host on their own stream: the copies of the blocks a restore evicts (device to host)
+        # overlap its loads (host to device) and the prefill after them, instead of coming before them.
+        self._saving = torch.cuda.Stream(device) if self.pinned else None
+        self._in_flight: set[int] = set()  # slots the saving stream may still be writing
 
     @property
     def host_bytes(self) -> int:
@@ -96,7 +105,7 @@ class TierStore:
     def _apply_piece(self, ops: list[StateOp], blocks: dict[str, torch.Tensor]) -> None:
         spills = [op for op in ops if isinstance(op, SpillSlot)]
         if spills:
-            self._sync()  # the slots' copies from the device have landed
+            self._wait_saves(host=True)  # the slots' copies from the device have landed
             for op in spills:
                 self._write(op.key, self.slots[op.slot])
         saves = [op for op in ops if isinstance(op, SaveBlock)]
@@ -138,24 +147,50 @@ class TierStore:
             b.index_copy_(0, idx, rows[:, o:o + self.specs[fqn].nbytes].view(len(ids), *b.shape[1:]))
 
     def _to_host(self, blocks: dict[str, torch.Tensor], ids: list[int], slots: list[int]) -> None:
-        for part in self._pieces(len(ids)):
-            rows = self._gather(blocks, ids[part])
-            for i, j, n in _runs(list(enumerate(slots[part]))):
-                self.slots[j:j + n].copy_(rows[i:i + n], non_blocking=self.pinned)
+        for k, part in enumerate(self._pieces(len(ids))):
+            if k >= 2 and self._saving is not None:  # two pieces' staging in flight at most: device memory is the KV's
+                torch.cuda.current_stream(self.device).wait_stream(self._saving)
+            rows = self._gather(blocks, ids[part])  # the blocks' bytes now, on the step's stream
+            if self._saving is None:
+                for i, j, n in _runs(list(enumerate(slots[part]))):
+                    self.slots[j:j + n].copy_(rows[i:i + n])
+                continue
+            # after the gather, and after every load the step's stream has queued from these slots
+            self._saving.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._saving):
+                for i, j, n in _runs(list(enumerate(slots[part]))):
+                    self.slots[j:j + n].copy_(rows[i:i + n], non_blocking=True)
+            rows.record_stream(self._saving)  # not reused by the step's stream before the copies are done
+            self._in_flight.update(slots[part])
 
     def _from_host(self, blocks: dict[str, torch.Tensor], loads: list[StateOp]) -> None:
+        if self._in_flight & {op.slot for op in loads if isinstance(op, LoadBlock)}:
+            self._wait_saves(host=False)  # a slot saved a moment ago: its bytes land first
         for part in self._pieces(len(loads)):
             ops = loads[part]
             rows = torch.empty((len(ops), self.block_bytes), dtype=torch.uint8, device=self.device)
             for i, j, n in _runs([(i, op.slot) for i, op in enumerate(ops) if isinstance(op, LoadBlock)]):
                 rows[i:i + n].copy_(self.slots[j:j + n], non_blocking=self.pinned)
-            for i, op in enumerate(ops):
-                if isinstance(op, LoadFile):
-                    rows[i].copy_(op.payload, non_blocking=self.pinned)
+            for i, payloads in _file_runs(ops):  # a run of one read's rows: one copy
+                rows[i:i + len(payloads)].copy_(payloads, non_blocking=self.pinned)
             self._scatter(blocks, [op.block for op in ops], rows)
 
+    def _wait_saves(self, host: bool) -> None:
+        """The saving stream's copies land before what the step's stream queues next (``host``: before the host
+        reads the slots too)."""
+        if self._saving is not None and self._in_flight:
+            if host:
+                self._saving.synchronize()
+            else:
+                torch.cuda.current_stream(self.device).wait_stream(self._saving)
+            self._in_flight.clear()
+
     def close(self) -> None:
-        """Give the host slots' page lock back (their memory goes with this object)."""
+        """Give the host slots' page lock back (their memory goes with this object) and the readers' threads."""
+        self._wait_saves(host=True)
+        if self._readers is not None:
+            self._readers.shutdown()
+            self._readers = None
         if self._registered:
             _unregister(self.slots)
             self._registered = False
@@ -187,32 +222,43 @@ class TierStore:
             except OSError:
                 pass
 
-    def read(self, key: bytes) -> torch.Tensor | None:
-        """The payload of ``key``'s file (a host tensor, pinned on CUDA: its load is one asynchronous copy) if it
-        is this model's block of that key, whole (its CRC-32); else None, logged, and a file that is there but
-        does not check is deleted (it would miss again)."""
+    def read(self, keys: Sequence[bytes]) -> list[torch.Tensor | None]:
+        """The payloads of ``keys``' files (rows of one host tensor, pinned on CUDA: a run of them loads in one
+        asynchronous copy), read on several threads; None for a file that is gone or is not this model's block
+        of that key, whole (its CRC-32): logged, and a file that is there but does not check is deleted (it
+        would miss again)."""
+        data = torch.empty((len(keys), self.block_bytes), dtype=torch.uint8, pin_memory=self.pinned)
+        rows = [data[i] for i in range(len(keys))]
+        if len(keys) < 2:
+            return [self._read_into(k, r) for k, r in zip(keys, rows)]
+        if self._readers is None:  # file reads and CRC-32s release the GIL: a 4k-token history reads 256 files
+            self._readers = ThreadPoolExecutor(min(16, os.cpu_count() or 1), thread_name_prefix="onecopy-kv-read")
+        return list(self._readers.map(self._read_into, keys, rows))
+
+    def _read_into(self, key: bytes, payload: torch.Tensor) -> torch.Tensor | None:
         path = self._path(key)
-        data = torch.empty(self.file_bytes, dtype=torch.uint8, pin_memory=self.pinned)
-        view = memoryview(data.numpy())
+        head = bytearray(len(self.header) + 20)  # header, key, CRC-32
         try:
-            with open(path, "rb") as f:
-                got = f.readinto(view)
-                extra = f.read(1)
+            fd = os.open(path, os.O_RDONLY)
         except OSError:
             log.warning("KV block file %s is gone; its prefix is prefilled again", path)
             return None
+        try:
+            got = os.readv(fd, [head, memoryview(payload.numpy())])
+            extra = os.read(fd, 1)
+        except OSError:
+            log.exception("could not read KV block file %s; its prefix is prefilled again", path)
+            return None
+        finally:
+            os.close(fd)
         h = len(self.header)
-        if got != self.file_bytes or extra or view[:h] != self.header or view[h:h + 16] != key or \
-                zlib.crc32(view[h + 20:]).to_bytes(4, "little") != view[h + 16:h + 20]:
+        if got != self.file_bytes or extra or head[:h] != self.header or head[h:h + 16] != key or \
+                zlib.crc32(payload.numpy()).to_bytes(4, "little") != head[h + 16:h + 20]:
             log.error("KV block file %s is not this model's block %s or fails its checksum: deleted, its prefix "
                       "prefilled again", path, key.hex())
             self.drop(key)
             return None
-        return data[h + 20:]
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        return payload
 
 
 def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -224,6 +270,24 @@ def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
         else:
             out.append((i, s, 1))
     return out
+
+
+def _file_runs(ops: Sequence[StateOp]) -> list[tuple[int, torch.Tensor]]:
+    """(first index, payloads [n, block bytes]) of each run of ``ops``' LoadFile operations whose payloads are
+    consecutive rows of one host tensor (`TierStore.read`'s)."""
+    out: list[tuple[int, torch.Tensor, int]] = []  # first index, first payload, length
+    for i, op in enumerate(ops):
+        if not isinstance(op, LoadFile):
+            continue
+        p = op.payload
+        if out:
+            first, q, n = out[-1]
+            if first + n == i and p.untyped_storage().data_ptr() == q.untyped_storage().data_ptr() and \
+                    p.storage_offset() == q.storage_offset() + n * q.numel():
+                out[-1] = (first, q, n + 1)
+                continue
+        out.append((i, p, 1))
+    return [(i, p.as_strided((n, p.numel()), (p.numel(), 1))) for i, p, n in out]
 
 
 def _register(t: torch.Tensor) -> bool:

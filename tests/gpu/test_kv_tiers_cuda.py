@@ -31,7 +31,7 @@ def _run_next(engine) -> tuple[list[int], int, dict[str, torch.Tensor]]:
 
 def _evict(engine) -> None:
     for i in range(6):
-        engine.submit([600 + i] * 72, GREEDY, stop_ids=[]).result()
+        engine.submit([400 + i] * 72, GREEDY, stop_ids=[]).result()
         if not engine.scheduler.kv.lookup(PROMPT, touch=False):
             return
     raise AssertionError("PROMPT's blocks stayed on the device")
@@ -60,3 +60,30 @@ def test_host_and_disk_tiers_restore_the_device_bytes_on_cuda(bundle, tmp_path):
     assert got[:2] == want[:2]
     for k, v in want[2].items():
         assert torch.equal(got[2][k], v), k
+
+
+def test_interleaved_prompts_through_every_tier_on_cuda(bundle, tmp_path):
+    """The CPU test's random interleaving on CUDA, where saves copy to the host on their own stream while loads
+    and steps go on: every request's prompt state is a whole prefill's (bf16 roundings; a wrong or half-copied
+    block would be far off), with saves, spills, drops and host and disk loads all happening."""
+    import random
+
+    rng = random.Random(0)
+    one = onecopy.SamplingParams(max_new_tokens=1)
+    bases = [[rng.randrange(3, 400) for _ in range(40)] for _ in range(6)]
+    with onecopy.Engine.load(bundle, "cuda", kv_blocks=8, max_sessions=2, prefix_cache=False) as plain:
+        block = plain.runner.blocks.block_bytes
+        with onecopy.Engine.load(bundle, "cuda", kv_blocks=8, max_sessions=2, kv_host_bytes=4 * block,
+                                 kv_disk_dir=tmp_path, kv_disk_bytes=4 * block) as tiered:
+            for _ in range(80):
+                prompt = rng.choice(bases)[:rng.choice((33, 40))] + [rng.randrange(3, 400) for _ in range(rng.randrange(4))]
+                got = tiered.submit(prompt, one, keep_session=True, stop_ids=[])
+                want = plain.submit(prompt, one, keep_session=True, stop_ids=[])
+                got.result(), want.result()
+                for k, v in want.session.state.items():
+                    a, b = got.session.state[k][:, :len(prompt)].float(), v[:, :len(prompt)].float()
+                    torch.testing.assert_close(a, b, rtol=0.05, atol=0.05, msg=k)
+                got.session.close()
+                want.session.close()
+            s = tiered.scheduler.kv.tiers.stats
+            assert s.restored_host and s.restored_disk and s.spilled and s.dropped, s
