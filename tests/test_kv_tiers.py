@@ -50,6 +50,13 @@ def device_hit(tiny_bundle):
     return tokens, state
 
 
+def _settle(engine) -> None:
+    """Wait for the idle engine's state operations (copies ahead of eviction, spills) to be carried out."""
+    assert wait_until(lambda: not len(engine.scheduler.ops))
+    with engine.loop.lock:  # taken and applied under the lock: held here, they are done
+        pass
+
+
 def _check_restored(engine, device_hit, tier: str) -> None:
     tiers = engine.scheduler.kv.tiers
     before = (tiers.stats.restored_host, tiers.stats.restored_disk)
@@ -74,6 +81,7 @@ def test_evicted_blocks_come_back_from_host_memory(tiny_bundle, device_hit):
         # Loaded blocks are published again: the next prompt on them shares them on the device.
         again = e.submit(NEXT, GREEDY)
         assert again.result() == device_hit[0] and again.cached_tokens == 32
+        _settle(e)  # the figures below read while the engine stays idle
         assert tiers.stats.restored_host == 2
         r = e.memory_report()
         assert r.kv_tier_restored == 2 and r.kv_tier_saved == tiers.stats.saved
@@ -98,7 +106,7 @@ def test_a_cached_block_is_copied_to_a_free_host_slot_before_its_eviction(tiny_b
         blocks = kv.lookup(PROMPT, touch=False)
         keys = [kv.index.digest(b) for b in blocks]
         assert len(keys) == 2 and all(k in tiers.host for k in keys) and tiers.stats.saved == 2
-        assert wait_until(lambda: not len(e.scheduler.ops))  # the copies are made while the engine is idle
+        _settle(e)  # the copies are made while the engine is idle
         slots = [tiers.host[k] for k in keys]
         saves = []  # copies into those slots from now on
         apply = e.runner.blocks.tiers.apply
@@ -107,17 +115,34 @@ def test_a_cached_block_is_copied_to_a_free_host_slot_before_its_eviction(tiny_b
         _evict(e)
         assert saves == []  # evicted without a copy: the host slots had them
         _check_restored(e, device_hit, "host")
-    with onecopy.Engine.load(tiny_bundle, kv_blocks=8, max_sessions=2) as plain:
-        block = plain.runner.blocks.block_bytes
-    with onecopy.Engine.load(tiny_bundle, kv_blocks=8, max_sessions=2, kv_host_bytes=2 * block) as e:
-        tiers = e.scheduler.kv.tiers
-        e.submit(PROMPT, GREEDY).result()
-        assert len(tiers.host) == 2 and not tiers._free
-        held = list(tiers.host)
-        e.submit([300] * 40, GREEDY).result()  # cached too, but the slots are taken: nothing copied ahead
-        kv = e.scheduler.kv
-        assert tiers.stats.saved == 2 and list(tiers.host) == held
-        assert not any(kv.index.digest(b) in tiers.host for b in kv.lookup([300] * 40, touch=False))
+
+
+
+def test_a_full_host_tier_takes_the_blocks_the_device_evicts_first_ahead_of_their_eviction():
+    """With no free host slot a block the cache keeps is not copied at once; `copy_ahead` (the idle engine's)
+    saves the oldest cached blocks (half a host tier's worth) that no tier holds, in place of the host tier's least
+    recently used, and evicting them later copies nothing."""
+    from onecopy.runtime.kv_manager import KVCacheManager, KVSpec
+
+    ops = StateOps()
+    tiers = TierIndex(host_slots=2)
+    kv = KVCacheManager(KVSpec(blocks=4, width=4, block_size=4, prefix_cache=True), 1, 16, ops, tiers)
+    tiers.save(90, b"x" * 16), tiers.save(91, b"y" * 16)  # the host tier full of blocks the device no longer has
+    cached = []
+    for t in range(3):  # three one-block prompts, cached in turn
+        kv.prepare(0, 0, 4)
+        kv.publish(0, [t] * 4)
+        cached.append(kv.owned[0][0])
+        kv.release(0)
+    ops.take()
+    assert len(tiers.host) == 2 and all(kv.index.digest(b) not in tiers for b in cached)  # no free slot: none kept
+    kv.copy_ahead()
+    oldest = kv.index.digest(cached[0])
+    assert ops.take() == [SaveBlock(cached[0], 0)] and list(tiers.host) == [b"y" * 16, oldest]
+    kv.copy_ahead()
+    assert not len(ops)  # done: nothing copied twice
+    kv.prepare(0, 0, 8)  # two blocks: one free, then the oldest cached one evicted
+    assert cached[0] in kv.owned[0] and not any(isinstance(op, SaveBlock) for op in ops.take())
 
 
 def test_a_disk_tier_keeps_blocks_across_a_restart(tiny_bundle, device_hit, tmp_path):
@@ -129,6 +154,7 @@ def test_a_disk_tier_keeps_blocks_across_a_restart(tiny_bundle, device_hit, tmp_
         e.submit(PROMPT, GREEDY).result()
         _evict(e)
         tiers = e.scheduler.kv.tiers
+        _settle(e)
         assert tiers.host_slots == 1 and tiers.stats.spilled >= 1
         files = sorted(tmp_path.glob("kv-*/*.kv"))
         assert len(files) == len(tiers.disk) >= 1

@@ -301,6 +301,17 @@ class KVCacheManager:
         if self.tiers is not None and self.index is not None:
             self._ops.add(*self.tiers.persist([(b, self.index.digest(b)) for b in self.index.published()]))
 
+    def copy_ahead(self) -> None:
+        """Save the cached blocks the device evicts first (the oldest half host tier's worth) to the host tier
+        now, those no tier holds yet: called while the engine is idle, so that evicting them later, on some
+        request's way to its first token, copies nothing (where `TierIndex.keep` found no free slot)."""
+        if self.tiers is None or self.index is None or not self.tiers.host_slots:
+            return
+        for block in self.index.evictable_blocks(max(1, self.tiers.host_slots // 2)):
+            key = self.index.digest(block)
+            if key not in self.tiers:
+                self._ops.add(*self.tiers.save(block, key))
+
     # -- accounting ---------------------------------------------------------------------------------
     def usage(self) -> dict[str, int]:
         """Blocks by kind: shared (referenced by 2+ rows), private (by one), cached (by none, evictable), free."""

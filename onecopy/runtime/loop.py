@@ -155,10 +155,12 @@ class EngineLoop:
                         else:
                             pending = launched
                         self._retire_finished()
-                    elif self.scheduler.ops:
-                        # Decisions left by the last requests (their cached blocks copied to the host tier
-                        # ahead of eviction): carried out now, while idle, not in the next request's first step.
-                        self.runner.apply(self.scheduler.ops.take())
+                    else:
+                        # Decisions left by the last requests, and blocks copied to the host tier ahead of
+                        # their eviction: carried out now, while idle, not in the next request's first step.
+                        ops = self.scheduler.idle_ops()
+                        if ops:
+                            self.runner.apply(ops)
                 if not work:
                     self._kick.wait()
         except Exception as e:  # the device's state is unknown now: fail closed

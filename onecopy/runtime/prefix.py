@@ -14,6 +14,7 @@ the key under which an evicted block is kept in the host and disk tiers. No tens
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Sequence
 
 from .kv_tiers import ROOT_DIGEST, prefix_digest
@@ -59,6 +60,10 @@ class PrefixIndex:
                 self.hits += 1
                 self.hit_tokens += len(out) * bs
         return out
+
+    def evictable_blocks(self, n: int) -> list[int]:
+        """The ``n`` evictable blocks evicted first (least recently used first)."""
+        return list(itertools.islice(self._lru, n))
 
     def published(self) -> list[int]:
         """Every published block: the evictable ones least recently used first, then those rows hold."""

@@ -48,7 +48,7 @@ from typing import Protocol
 from ..errors import InputError, OnecopyError, QueueFullError, SessionCapacityError
 from .kv_manager import KVCacheManager, KVSpec
 from .kv_tiers import TierIndex
-from .plan import PrefillChunk, RequestStart, StateOps, StepPlan, ZeroRow
+from .plan import PrefillChunk, RequestStart, StateOp, StateOps, StepPlan, ZeroRow
 from .request import Request, RequestStatus
 from .rows import RowAllocator, RowLease
 
@@ -182,6 +182,14 @@ class Scheduler:
         need_row = extra + sum(1 for r in self._waiting if r.needs_row and not r.cancel_requested)
         reclaimable = self.reclaimer.idle() if self.reclaimer is not None else 0
         return max(0, need_row - self.rows.free_rows - reclaimable)
+
+    def idle_ops(self) -> list[StateOp]:
+        """State operations to carry out while nothing runs: those decided and not applied yet (the last
+        requests' cached blocks copied to the host tier), and the cached blocks the KV cache evicts first
+        saved to the host tier ahead of their eviction (`KVCacheManager.copy_ahead`)."""
+        if self.kv is not None:
+            self.kv.copy_ahead()
+        return self.ops.take() if self.ops else []
 
     def has_work(self) -> bool:
         """Whether an iteration would do anything now (`admit`'s rules: a request waiting for blocks holds
