@@ -15,9 +15,11 @@ state; ``--pause`` seconds after the filler, as a user's next turn comes later: 
 cached blocks to the host tier meanwhile, so the turn's evictions copy nothing), disk (a restart: the history on one
 engine, its blocks saved to the disk tier at close, the turn on a new engine on the same directory, after a warm-up
 prompt, with room for the turn; the same files are then read again alone, timed: the disk's share,
-``file_read_ms_p50``), none (prefix cache off: the whole turn prefilled). The prefill's work and the blocks' bytes
-both grow with the layers, but an 8-layer cut's LM head and fixed host costs are a larger share of the turn's 65-token
-prefill: the goals are measured on the whole shape.
+``file_read_ms_p50``; no host tier: the files are read on the turn's way), restart (the same with a host tier too: the
+new engine warms it from the disk tier in the background while it serves the warm-up, `runtime.kv_warm`; where the
+turn's blocks came from is counted by tier), none (prefix cache off: the whole turn prefilled). The prefill's work and
+the blocks' bytes both grow with the layers, but an 8-layer cut's LM head and fixed host costs are a larger share of
+the turn's 65-token prefill: the goals are measured on the whole shape.
 """
 
 from __future__ import annotations
@@ -53,8 +55,10 @@ def run_case(bundle: Path, device: str, case: str, a: argparse.Namespace, disk: 
     rng = random.Random(0)
     ids = lambda n: [rng.randrange(10, vocab - 10) for _ in range(n)]  # noqa: E731
     times, cached, restored, reads = [], [], 0, []
-    if case == "disk":  # a restart: the history's blocks saved at close, the turn on a new engine
-        options = {"max_sessions": 2, "kv_blocks": 2 * blocks, "kv_host_bytes": 4 << 30, "kv_disk_dir": str(disk)}
+    by_tier = {"host": 0, "disk": 0}
+    if case in ("disk", "restart"):  # a restart: the history's blocks saved at close, the turn on a new engine
+        options = {"max_sessions": 2, "kv_blocks": 2 * blocks, "kv_host_bytes": 4 << 30 if case == "restart" else 0,
+                   "kv_disk_dir": str(disk)}
         for _ in range(a.reps + 1):
             history = ids(a.history)
             with onecopy.Engine.load(bundle, device, **options) as e:
@@ -65,7 +69,10 @@ def run_case(bundle: Path, device: str, case: str, a: argparse.Namespace, disk: 
                 turn.result()
                 times.append(turn.time_to_first_token)
                 cached.append(turn.cached_tokens)
-                restored += e.scheduler.kv.tiers.stats.restored_disk
+                stats = e.scheduler.kv.tiers.stats
+                restored += stats.restored_disk + stats.restored_host
+                by_tier["host"] += stats.restored_host
+                by_tier["disk"] += stats.restored_disk
                 report = e.memory_report()
                 store, n = e.runner.blocks.tiers, a.history // bs  # the files' read alone: the disk's share
                 t0 = time.perf_counter()
@@ -88,9 +95,9 @@ def run_case(bundle: Path, device: str, case: str, a: argparse.Namespace, disk: 
             report = e.memory_report()
             restored = report.kv_tier_restored
     times, cached = times[1:], cached[1:]  # the first of each case: its first restore of these sizes
-    extra = {}
+    extra: dict = {"restored_by_tier": by_tier} if case in ("disk", "restart") else {}
     if reads:  # what the disk gives: the turn's files read again (page cache warm, as in the turn), GB/s
-        extra = {"file_read_ms_p50": round(1000 * pct(reads[1:], 0.5), 2),
+        extra |= {"file_read_ms_p50": round(1000 * pct(reads[1:], 0.5), 2),
                  "file_read_gb_s": round(a.history // bs * report.kv_block_bytes / pct(reads[1:], 0.5) / 1e9, 2)}
     return {**extra, "case": case, "ttft_ms_p50": round(1000 * pct(times, 0.5), 2),
             "ttft_ms": [round(1000 * t, 2) for t in times],
@@ -107,7 +114,7 @@ def main() -> None:
     p.add_argument("--history", type=int, default=4096)
     p.add_argument("--turn", type=int, default=64)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--cases", default="device,host,disk,none")
+    p.add_argument("--cases", default="device,host,disk,restart,none")
     p.add_argument("--pause", type=float, default=0.5, help="seconds between the filler and the turn (host case)")
     p.add_argument("--out")
     a = p.parse_args()

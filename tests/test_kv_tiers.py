@@ -118,6 +118,16 @@ def test_a_cached_block_is_copied_to_a_free_host_slot_before_its_eviction(tiny_b
 
 
 
+def test_a_run_of_loads_stops_at_a_file_that_does_not_check_and_forgets_every_bad_file():
+    k = [bytes([i]) * 16 for i in range(4)]
+    bad = {k[1], k[3]}
+    idx = TierIndex(host_slots=0, disk_blocks=4, on_disk=k,
+                    read=lambda keys: [None if key in bad else b"file" for key in keys])
+    assert [op.payload for op in idx.load(k, [5, 6, 7, 8])] == [b"file"]  # up to the first bad file
+    assert list(idx.disk) == [k[2], k[0]] and idx.stats.load_failures == 2  # both bad files forgotten (deleted)
+    assert TierIndex(host_slots=0, disk_blocks=1, on_disk=k[:1]).load(k[:1], [5]) == []  # no reader: a miss
+
+
 def test_a_full_host_tier_takes_the_blocks_the_device_evicts_first_ahead_of_their_eviction():
     """With no free host slot a block the cache keeps is not copied at once; `copy_ahead` (the idle engine's)
     saves the oldest cached blocks (half a host tier's worth) that no tier holds, in place of the host tier's least
@@ -136,10 +146,10 @@ def test_a_full_host_tier_takes_the_blocks_the_device_evicts_first_ahead_of_thei
         kv.release(0)
     ops.take()
     assert len(tiers.host) == 2 and all(kv.index.digest(b) not in tiers for b in cached)  # no free slot: none kept
-    kv.copy_ahead()
+    kv.copy_ahead(8)
     oldest = kv.index.digest(cached[0])
     assert ops.take() == [SaveBlock(cached[0], 0)] and list(tiers.host) == [b"y" * 16, oldest]
-    kv.copy_ahead()
+    kv.copy_ahead(8)
     assert not len(ops)  # done: nothing copied twice
     kv.prepare(0, 0, 8)  # two blocks: one free, then the oldest cached one evicted
     assert cached[0] in kv.owned[0] and not any(isinstance(op, SaveBlock) for op in ops.take())
@@ -165,6 +175,29 @@ def test_a_disk_tier_keeps_blocks_across_a_restart(tiny_bundle, device_hit, tmp_
     with onecopy.Engine.load(tiny_bundle, kv_blocks=8, max_sessions=2, kv_disk_dir=tmp_path) as e:  # restarted
         assert len(e.scheduler.kv.tiers.disk) == len(files)
         _check_restored(e, device_hit, "disk")
+
+
+def test_a_restarted_engine_warms_its_host_tier_from_the_disk_tier(tiny_bundle, device_hit, tmp_path):
+    """An engine starting on a directory of blocks reads the most recent into its free host slots in the background:
+    a conversation resumed after the restart loads from host memory (no file read on its way), bit for bit; the
+    host tier evicting a warmed block drops it without writing its file again."""
+    with onecopy.Engine.load(tiny_bundle, kv_blocks=8, max_sessions=2, kv_disk_dir=tmp_path) as e:
+        block = e.runner.blocks.block_bytes
+        e.submit(PROMPT, GREEDY).result()  # its blocks saved when the engine closes
+    with onecopy.Engine.load(tiny_bundle, kv_blocks=8, max_sessions=2, kv_disk_dir=tmp_path,
+                             kv_host_bytes=4 * block) as e:
+        tiers = e.scheduler.kv.tiers
+        assert wait_until(lambda: tiers.stats.warmed == 2)
+        files = {f: f.stat().st_mtime_ns for f in tmp_path.glob("kv-*/*.kv")}
+        _check_restored(e, device_hit, "host")
+        for i in range(4):  # the host tier's four slots taken by new blocks: the warmed ones dropped
+            e.submit([300 + i] * 40, GREEDY).result()
+        _settle(e)
+        assert {f: f.stat().st_mtime_ns for f in files} == files  # no file written again
+    with onecopy.Engine.load(tiny_bundle, kv_blocks=8, max_sessions=2, kv_disk_dir=tmp_path,
+                             kv_host_bytes=1 * block) as e:  # one slot: the most recent block only
+        assert wait_until(lambda: e.scheduler.kv.tiers.stats.warmed == 1)
+        assert list(e.scheduler.kv.tiers.host) == [list(e.scheduler.kv.tiers.disk)[-1]]
 
 
 def test_a_file_that_does_not_check_is_a_miss_and_is_deleted(tiny_bundle, device_hit, tmp_path):
@@ -313,7 +346,8 @@ def test_a_thousand_conversations_on_a_cache_that_holds_64_all_resume_after_a_re
         streams = [e.submit(t, one, stop_ids=[]) for t in turns]
         got = [s.result() for s in streams]
         assert [s.cached_tokens for s in streams] == [32] * 1000  # every conversation's blocks found
-        assert e.scheduler.kv.tiers.stats.restored_disk == 2000 and not e.scheduler.kv.tiers.stats.load_failures
+        s = e.scheduler.kv.tiers.stats  # from the files, or from the host slots warmed from them at start
+        assert s.restored_disk + s.restored_host == 2000 and s.restored_host <= s.warmed and not s.load_failures
     sample = rng.sample(range(1000), 40)
     with onecopy.Engine.load(tiny_bundle, max_sessions=8, prefix_cache=False) as plain:
         want = [plain.submit(turns[i], one, stop_ids=[]) for i in sample]

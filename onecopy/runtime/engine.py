@@ -29,6 +29,7 @@ from .config import EngineConfig
 from .cpu_threads import on_short_lived_thread
 from .kv_manager import KVSpec
 from .kv_tiers import TierIndex
+from .kv_warm import HostTierWarmer
 from .loop import EngineLoop
 from .memory import (MemoryReport, default_reserve, device_used, engine_report, row_bytes, size_blocks, size_paged_sessions,
                      size_pool)
@@ -203,6 +204,7 @@ class Engine:
                                    max_queue=c.max_queue, max_batch=c.max_batch, token_budget=c.token_budget, kv=kv,
                                    tiers=tiers,
                                    replay_in_decode=c.deterministic, new_token_ratio=c.new_token_ratio)
+        self._warmer = HostTierWarmer(tiers, self.runner.blocks.tiers, self._lock) if tiers is not None else None
         # Overlap step t+1 with step t's ids on CUDA; not with recurrent state: the step queued after a
         # stop id would advance it for good.
         self.loop = EngineLoop(self.scheduler, self.runner, self._lock, on_admitted=self._admitted,
@@ -469,6 +471,8 @@ class Engine:
         loop = getattr(self, "loop", None)
         if loop is not None and not self.closed:
             loop.stop()
+        if getattr(self, "_warmer", None) is not None:
+            self._warmer.stop()  # before the host slots are saved to disk and let go
         with self._lock:
             if self.closed:
                 return

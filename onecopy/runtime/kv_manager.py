@@ -301,16 +301,20 @@ class KVCacheManager:
         if self.tiers is not None and self.index is not None:
             self._ops.add(*self.tiers.persist([(b, self.index.digest(b)) for b in self.index.published()]))
 
-    def copy_ahead(self) -> None:
-        """Save the cached blocks the device evicts first (the oldest half host tier's worth) to the host tier
-        now, those no tier holds yet: called while the engine is idle, so that evicting them later, on some
-        request's way to its first token, copies nothing (where `TierIndex.keep` found no free slot)."""
+    def copy_ahead(self, limit: int) -> None:
+        """Save up to ``limit`` of the cached blocks the device evicts first (among the oldest half host tier's
+        worth) that no tier holds yet to the host tier now: called while the engine is idle, so that evicting
+        them later, on some request's way to its first token, copies nothing (where `TierIndex.keep` found no
+        free slot). What the host tier evicts for them is what their eviction would evict, only sooner."""
         if self.tiers is None or self.index is None or not self.tiers.host_slots:
             return
         for block in self.index.evictable_blocks(max(1, self.tiers.host_slots // 2)):
+            if limit <= 0:
+                return
             key = self.index.digest(block)
             if key not in self.tiers:
                 self._ops.add(*self.tiers.save(block, key))
+                limit -= 1
 
     # -- accounting ---------------------------------------------------------------------------------
     def usage(self) -> dict[str, int]:

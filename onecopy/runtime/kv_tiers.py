@@ -43,6 +43,7 @@ class TierStats:
     spilled: int = 0
     dropped: int = 0
     load_failures: int = 0  # files that were gone or did not check when a load was decided (a miss)
+    warmed: int = 0  # disk blocks read into free host slots at start (`TierIndex.reserve_warm`)
 
 
 class TierIndex:
@@ -90,7 +91,9 @@ class TierIndex:
             slot = self._free.pop()
         else:
             old, slot = self.host.popitem(last=False)
-            if self.disk_blocks:
+            if old in self.disk:
+                pass  # its file is there already (a block warmed from it)
+            elif self.disk_blocks:
                 ops += self._to_disk(old, SpillSlot(slot, old))
             else:
                 self.stats.dropped += 1
@@ -137,6 +140,11 @@ class TierIndex:
         # Read (and checked) now, all together (`read` may spread them over threads), not when the loads are
         # applied: a file that does not check is a miss here, where the restore can stop, not wrong bytes there.
         payloads = dict(zip(disk, self._read(disk))) if disk and self._read is not None else {}
+        for key, payload in payloads.items():
+            if payload is None:  # gone, or did not check (then deleted): not on disk any more
+                del self.disk[key]
+                self._unwritten.pop(key, None)
+                self.stats.load_failures += 1
         for key, block in zip(keys[:run], blocks):
             slot = self.host.get(key)
             if slot is not None:
@@ -144,15 +152,30 @@ class TierIndex:
                 self.stats.restored_host += 1
                 ops.append(LoadBlock(slot, block))
                 continue
-            self._unwritten.pop(key, None)
-            if payloads[key] is None:
-                del self.disk[key]
-                self.stats.load_failures += 1
+            if payloads.get(key) is None:
                 break
+            self._unwritten.pop(key, None)
             self.disk.move_to_end(key)
             self.stats.restored_disk += 1
             ops.append(LoadFile(payloads[key], block))
         return ops
+
+    def reserve_warm(self) -> list[tuple[bytes, int]]:
+        """The disk tier's most recently used keys that the host tier lacks, each with a free host slot taken for
+        it (as many as there are free slots): an engine starting on a directory reads them in the background
+        (`warmed`), so a restarted server's first turns load from host memory, not from files."""
+        keys = [k for k in reversed(self.disk) if k not in self.host][:len(self._free)]
+        return [(k, self._free.pop()) for k in keys]
+
+    def warmed(self, key: bytes, slot: int, ok: bool) -> None:
+        """A `reserve_warm` read ended: the slot holds ``key``'s block if ``ok`` (kept, least recently used first,
+        unless the disk tier dropped the key or the host tier took it meanwhile), else it is free again."""
+        if ok and key in self.disk and key not in self.host:
+            self.host[key] = slot
+            self.host.move_to_end(key, last=False)  # warmed blocks go before the blocks this engine used
+            self.stats.warmed += 1
+        else:
+            self._free.append(slot)
 
     def _to_disk(self, key: bytes, write: StateOp) -> list[StateOp]:
         """``write`` (the operation that writes ``key``'s file), after the deletion of the least recently used file

@@ -143,6 +143,7 @@ class EngineLoop:
         try:
             while not (self._stopping or self.failed):
                 self._kick.clear()  # before looking for work: a kick after the look wakes the wait below
+                busy = False  # work was done while idle: look again before waiting (the lock let go between)
                 with self.lock:
                     work = pending is not None or self.scheduler.has_work()
                     if work:
@@ -157,11 +158,13 @@ class EngineLoop:
                         self._retire_finished()
                     else:
                         # Decisions left by the last requests, and blocks copied to the host tier ahead of
-                        # their eviction: carried out now, while idle, not in the next request's first step.
+                        # their eviction (a bounded batch a pass): carried out now, while idle, not in the next
+                        # request's first step.
                         ops = self.scheduler.idle_ops()
                         if ops:
                             self.runner.apply(ops)
-                if not work:
+                            busy = True
+                if not (work or busy):
                     self._kick.wait()
         except Exception as e:  # the device's state is unknown now: fail closed
             self.fail(e)

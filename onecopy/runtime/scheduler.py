@@ -65,6 +65,9 @@ class Reclaimer(Protocol):
     def reclaim(self) -> bool: ...
 
 
+COPY_AHEAD_BLOCKS = 32  # blocks an idle pass saves ahead of eviction at most: the lock is let go between passes
+
+
 @dataclass
 class SchedulerStats:
     """Counters since the scheduler started (for monitoring)."""
@@ -188,7 +191,7 @@ class Scheduler:
         requests' cached blocks copied to the host tier), and the cached blocks the KV cache evicts first
         saved to the host tier ahead of their eviction (`KVCacheManager.copy_ahead`)."""
         if self.kv is not None:
-            self.kv.copy_ahead()
+            self.kv.copy_ahead(COPY_AHEAD_BLOCKS)
         return self.ops.take() if self.ops else []
 
     def has_work(self) -> bool:

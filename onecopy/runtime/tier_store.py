@@ -72,7 +72,8 @@ class TierStore:
         # Saves copy to the host on their own stream: the copies of the blocks a restore evicts (device to host)
         # overlap its loads (host to device) and the prefill after them, instead of coming before them.
         self._saving = torch.cuda.Stream(device) if self.pinned else None
-        self._in_flight: set[int] = set()  # slots the saving stream may still be writing
+        self._in_flight: set[int] = set()  # slots whose copies the step's stream has not waited for
+        self._host_pending = False  # copies the host has not waited for (before it reads a slot or lets go)
 
     @property
     def host_bytes(self) -> int:
@@ -105,7 +106,7 @@ class TierStore:
     def _apply_piece(self, ops: list[StateOp], blocks: dict[str, torch.Tensor]) -> None:
         spills = [op for op in ops if isinstance(op, SpillSlot)]
         if spills:
-            self._wait_saves(host=True)  # the slots' copies from the device have landed
+            self._wait_saves()  # the slots' copies from the device have landed
             for op in spills:
                 self._write(op.key, self.slots[op.slot])
         saves = [op for op in ops if isinstance(op, SaveBlock)]
@@ -162,10 +163,13 @@ class TierStore:
                     self.slots[j:j + n].copy_(rows[i:i + n], non_blocking=True)
             rows.record_stream(self._saving)  # not reused by the step's stream before the copies are done
             self._in_flight.update(slots[part])
+            self._host_pending = True
 
     def _from_host(self, blocks: dict[str, torch.Tensor], loads: list[StateOp]) -> None:
         if self._in_flight & {op.slot for op in loads if isinstance(op, LoadBlock)}:
-            self._wait_saves(host=False)  # a slot saved a moment ago: its bytes land first
+            # a slot saved a moment ago: its bytes land before the step's stream reads them
+            torch.cuda.current_stream(self.device).wait_stream(self._saving)
+            self._in_flight.clear()
         for part in self._pieces(len(loads)):
             ops = loads[part]
             rows = torch.empty((len(ops), self.block_bytes), dtype=torch.uint8, device=self.device)
@@ -175,19 +179,16 @@ class TierStore:
                 rows[i:i + len(payloads)].copy_(payloads, non_blocking=self.pinned)
             self._scatter(blocks, [op.block for op in ops], rows)
 
-    def _wait_saves(self, host: bool) -> None:
-        """The saving stream's copies land before what the step's stream queues next (``host``: before the host
-        reads the slots too)."""
-        if self._saving is not None and self._in_flight:
-            if host:
-                self._saving.synchronize()
-            else:
-                torch.cuda.current_stream(self.device).wait_stream(self._saving)
+    def _wait_saves(self) -> None:
+        """Every copy to the host has landed (before the host reads a slot, or lets the slots go)."""
+        if self._saving is not None and self._host_pending:
+            self._saving.synchronize()
+            self._host_pending = False
             self._in_flight.clear()
 
     def close(self) -> None:
         """Give the host slots' page lock back (their memory goes with this object) and the readers' threads."""
-        self._wait_saves(host=True)
+        self._wait_saves()
         if self._readers is not None:
             self._readers.shutdown()
             self._readers = None
@@ -231,9 +232,18 @@ class TierStore:
         rows = [data[i] for i in range(len(keys))]
         if len(keys) < 2:
             return [self._read_into(k, r) for k, r in zip(keys, rows)]
+        return list(self._pool().map(self._read_into, keys, rows))
+
+    def read_to_slots(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
+        """Read ``keys``' files into host ``slots`` (free ones: no copy reads or writes them), checked as `read`
+        checks; whether each holds its block now."""
+        rows = [self.slots[s] for s in slots]
+        return [p is not None for p in self._pool().map(self._read_into, keys, rows)]
+
+    def _pool(self) -> ThreadPoolExecutor:
         if self._readers is None:  # file reads and CRC-32s release the GIL: a 4k-token history reads 256 files
             self._readers = ThreadPoolExecutor(min(16, os.cpu_count() or 1), thread_name_prefix="onecopy-kv-read")
-        return list(self._readers.map(self._read_into, keys, rows))
+        return self._readers
 
     def _read_into(self, key: bytes, payload: torch.Tensor) -> torch.Tensor | None:
         path = self._path(key)
@@ -244,7 +254,7 @@ class TierStore:
             log.warning("KV block file %s is gone; its prefix is prefilled again", path)
             return None
         try:
-            got = os.readv(fd, [head, memoryview(payload.numpy())])
+            got = _read_full(fd, [memoryview(head), memoryview(payload.numpy())])
             extra = os.read(fd, 1)
         except OSError:
             log.exception("could not read KV block file %s; its prefix is prefilled again", path)
@@ -270,6 +280,25 @@ def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
         else:
             out.append((i, s, 1))
     return out
+
+
+def _read_full(fd: int, views: list[memoryview]) -> int:
+    """Read into ``views`` in order until they are full or the file ends (a read may return less than asked);
+    the bytes read."""
+    total, got = sum(len(v) for v in views), 0
+    while got < total:
+        rest, skip = [], got
+        for v in views:
+            if skip >= len(v):
+                skip -= len(v)
+                continue
+            rest.append(v[skip:])
+            skip = 0
+        n = os.readv(fd, rest)
+        if n == 0:
+            break
+        got += n
+    return got
 
 
 def _file_runs(ops: Sequence[StateOp]) -> list[tuple[int, torch.Tensor]]:

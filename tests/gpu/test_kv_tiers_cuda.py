@@ -87,3 +87,29 @@ def test_interleaved_prompts_through_every_tier_on_cuda(bundle, tmp_path):
                 want.session.close()
             s = tiered.scheduler.kv.tiers.stats
             assert s.restored_host and s.restored_disk and s.spilled and s.dropped, s
+
+
+def test_a_slot_saved_on_the_copy_stream_is_spilled_with_its_new_bytes(bundle, tmp_path):
+    """Saves copy to the host on their own stream: with the step's stream held up (so the copies are still to come),
+    a save, a load from another just-saved slot (the step's stream waits for the copies) and a spill of the first
+    slot (the host must wait too) write the block's bytes to the file, not the slot's old ones."""
+    from onecopy.runtime.plan import LoadBlock, SaveBlock, SpillSlot
+
+    with onecopy.Engine.load(bundle, "cuda", kv_blocks=12, max_sessions=2, kv_host_bytes=1 << 22,
+                             kv_disk_dir=tmp_path) as e:
+        store, blocks = e.runner.blocks.tiers, e.runner.blocks.tensors
+        key = b"k" * 16
+        with e.loop.lock:  # nothing else runs
+            for i, t in enumerate(blocks.values()):
+                t[0].copy_(torch.randn(t[0].shape, device="cuda").to(t.dtype))
+                t[1].fill_(i + 1)
+            want = store._gather(blocks, [0]).cpu()[0]
+            torch.cuda.synchronize()
+            torch.cuda._sleep(1 << 28)  # the step's stream spins: the saves' gathers, and so their copies, wait
+            store.apply([SaveBlock(0, 0), SaveBlock(1, 1)], blocks)
+            store.apply([LoadBlock(1, 2)], blocks)
+            store.apply([SpillSlot(0, key)], blocks)
+            got = store.read([key])[0]
+            torch.cuda.synchronize()
+            assert torch.equal(got.cpu(), want)
+            assert torch.equal(store._gather(blocks, [2]).cpu(), store._gather(blocks, [1]).cpu())
