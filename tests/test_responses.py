@@ -208,6 +208,18 @@ def test_the_store_keeps_a_byte_budget_private_files_and_deletions_across_server
 
 
 
+def test_a_thousand_stored_responses_outlive_a_restart(tmp_path):
+    """1,000 conversations stored under the default budgets, the memory tier holding some: a store started on the
+    same directory (a restarted server) finds every one (their KV blocks: tests/test_kv_tiers.py)."""
+    from onecopy.serve.responses import ResponseStore
+
+    first = ResponseStore(directory=tmp_path / "r", fingerprint="f", max_bytes=64 * _entry(0).nbytes)
+    for i in range(1000):
+        first.put(_entry(i))
+    again = ResponseStore(directory=tmp_path / "r", fingerprint="f")
+    assert all(again.get(_entry(i).id).token_ids.tolist() == list(range(100)) for i in range(1000))
+
+
 def test_the_state_directory_keeps_a_byte_budget_of_files(tmp_path):
     """Response files past ``max_file_bytes`` go, least recently written first, and their responses with them (a
     404, in memory too); a server started on the directory counts the files already there."""
