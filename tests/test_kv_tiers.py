@@ -188,6 +188,11 @@ def test_a_restarted_engine_warms_its_host_tier_from_the_disk_tier(tiny_bundle, 
                              kv_host_bytes=4 * block) as e:
         tiers = e.scheduler.kv.tiers
         assert wait_until(lambda: tiers.stats.warmed == 2)
+        from prometheus_client import generate_latest
+
+        from onecopy.serve.metrics import ServerMetrics
+
+        assert "onecopy_kv_tier_warmed_blocks_total 2.0" in generate_latest(ServerMetrics(e, None).registry).decode()
         files = {f: f.stat().st_mtime_ns for f in tmp_path.glob("kv-*/*.kv")}
         _check_restored(e, device_hit, "host")
         for i in range(4):  # the host tier's four slots taken by new blocks: the warmed ones dropped

@@ -44,7 +44,10 @@ class _TierCounts:
 
     def collect(self):
         s = self.stats
-        yield CounterMetricFamily("onecopy_kv_tier_saved_blocks", "Evicted KV blocks the tiers kept", value=s.saved)
+        yield CounterMetricFamily("onecopy_kv_tier_saved_blocks", "Cached KV blocks the tiers kept (copied ahead of "
+                                  "their eviction, or on it)", value=s.saved)
+        yield CounterMetricFamily("onecopy_kv_tier_warmed_blocks", "Disk tier blocks read into the host tier when the "
+                                  "engine started", value=s.warmed)
         restored = CounterMetricFamily("onecopy_kv_tier_restored_blocks", "KV blocks loaded back from a tier instead "
                                        "of prefilled", labels=["tier"])
         restored.add_metric(["host"], s.restored_host)
