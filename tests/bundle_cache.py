@@ -12,9 +12,11 @@ the same bundle. Its key (`bundle_key`) is everything that shapes the exported f
   followed; the runtime, which only loads bundles, is not among them);
 * torch's version and the other libraries the exporter writes with (safetensors, tokenizers, gguf, numpy);
 * the compiler the exporter picks (its path and version) and the Python version;
-* the CPU ISA Inductor generates code for: the vector ISA it picks here and every environment variable that
-  moves it or the libraries' kernels (ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA,
-  DNNL_MAX_CPU_ISA, TORCHINDUCTOR_*, CXX): CI's AVX2 rerun exports its own bundles.
+* the CPU ISA Inductor generates code for, as in effect (ATen's CPU capability, which $ATEN_CPU_CAPABILITY caps,
+  and the vector ISA Inductor picks), and the environment that moves the generated code otherwise
+  (TORCHINDUCTOR_*, CXX). Not the variables that only choose MKL's or oneDNN's kernels when a bundle runs: CI's
+  AVX2 rerun exports its own bundles on a machine with more than AVX2 and reuses the main run's on an AVX2 one
+  (the same code either way).
 
 Where: $ONECOPY_TEST_CACHE, else $XDG_CACHE_HOME/onecopy-tests, else ~/.cache/onecopy-tests (shared by clones
 and worktrees on one machine: the key keeps apart what differs). ONECOPY_TEST_CACHE=off exports into a
@@ -61,8 +63,8 @@ from onecopy.models.presets import PRESETS
 
 ENV_DIR = "ONECOPY_TEST_CACHE"
 ENV_MAX_GB = "ONECOPY_TEST_CACHE_MAX_GB"
-# Environment variables that move the ISA of the generated code or of the libraries' kernels, or the compiler.
-ISA_ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "CXX")
+# Environment variables that move the generated code besides the ISA in effect (keyed as it is: `environment`).
+CODE_ENV = ("CXX",)
 # TORCHINDUCTOR_* variables that only say where Inductor keeps its caches or how many processes compile.
 INDUCTOR_ENV_IGNORED = {"TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_COMPILE_THREADS"}
 # Directories and files whose every file shapes a bundle (on top of the exporter's imports).
@@ -172,7 +174,7 @@ def environment() -> dict[str, Any]:
     """What besides the code and the source shapes an export here: libraries, compiler, ISA."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    env = {k: os.environ.get(k) for k in ISA_ENV}
+    env = {k: os.environ.get(k) for k in CODE_ENV}
     env.update({k: v for k, v in os.environ.items() if k.startswith("TORCHINDUCTOR_") and k not in INDUCTOR_ENV_IGNORED})
     versions = {}
     for lib in LIBRARIES:
@@ -180,7 +182,8 @@ def environment() -> dict[str, Any]:
             versions[lib] = importlib.metadata.version(lib)
         except importlib.metadata.PackageNotFoundError:
             versions[lib] = None
-    return {"env": env, "vec_isa": str(pick_vec_isa()), "machine": platform.machine(), "torch": torch.__version__,
+    return {"env": env, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "vec_isa": str(pick_vec_isa()),
+            "machine": platform.machine(), "torch": torch.__version__,
             "torch_git": torch.version.git_version, "cuda": torch.version.cuda, "libraries": versions,
             "compiler": _compiler(), "python": sys.version.split()[0]}
 

@@ -3,7 +3,6 @@ damaged entry never handed out. A stand-in exporter writes tiny fake bundles: no
 
 import json
 import os
-import platform
 import threading
 import time
 from pathlib import Path
@@ -60,17 +59,34 @@ def test_a_file_source_is_keyed_by_its_name_and_bytes(tmp_path):
     assert bc.source_identity(f) != first and bc.source_identity(str(f))["name"] == "m.gguf"
 
 
-@pytest.mark.parametrize("var,value", [("ATEN_CPU_CAPABILITY", "avx2"), ("MKL_ENABLE_INSTRUCTIONS", "AVX2"),
-                                       ("ONEDNN_MAX_CPU_ISA", "AVX2"), ("TORCHINDUCTOR_CPP_MARCH", "x86-64-v3")])
-def test_the_isa_environment_is_in_the_key(monkeypatch, var, value):
-    """CI reruns the batch-invariance tests held to AVX2: their bundles must be their own."""
+@pytest.mark.parametrize("var,value", [("TORCHINDUCTOR_CPP_MARCH", "x86-64-v3"), ("CXX", "clang++")])
+def test_the_code_environment_is_in_the_key(monkeypatch, var, value):
     monkeypatch.delenv(var, raising=False)
     before = bc.bundle_key("tiny-llama", max_seq_len=64)[0]
     monkeypatch.setenv(var, value)
     key, material = bc.bundle_key("tiny-llama", max_seq_len=64)
     assert key != before and material["environment"]["env"][var] == value
-    if var == "ATEN_CPU_CAPABILITY" and platform.machine() in ("x86_64", "AMD64"):  # what Inductor's codegen reads
-        assert material["environment"]["vec_isa"].split()[0] in ("avx2", "INVALID_VEC_ISA")
+
+
+def test_the_isa_in_effect_is_in_the_key_and_library_kernel_choices_are_not(monkeypatch):
+    """CI reruns the batch-invariance tests held to AVX2: where that moves the ISA Inductor generates code for
+    (ATen's capability, read once per process), their bundles are their own; MKL's and oneDNN's kernel choices
+    (made when a bundle runs) and the variables themselves (a cap at what the machine has is the same code) are
+    not in the key."""
+    import subprocess
+    import sys
+
+    import torch
+
+    plain, material = bc.bundle_key("tiny-llama", max_seq_len=64)
+    assert material["environment"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    for var, value in (("MKL_ENABLE_INSTRUCTIONS", "AVX2"), ("ONEDNN_MAX_CPU_ISA", "AVX2"), ("ATEN_CPU_CAPABILITY", "avx2")):
+        monkeypatch.setenv(var, value)
+    assert bc.bundle_key("tiny-llama", max_seq_len=64)[0] == plain
+    code = "import tests.bundle_cache as bc; print(bc.bundle_key('tiny-llama', max_seq_len=64)[0])"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ATEN_CPU_CAPABILITY": "default"},
+                         capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1]).stdout
+    assert out.split()[-1] != plain  # no vector ISA in effect: other code, another bundle
 
 
 def test_the_code_hash_covers_what_the_exporter_imports_and_not_the_runtime():
