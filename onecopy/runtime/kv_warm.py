@@ -28,7 +28,7 @@ class HostTierWarmer:
         self.index, self.store, self.lock = index, store, lock
         self._stop = threading.Event()
         with lock:
-            self._todo = index.reserve_warm() if index.host_slots and index.disk else []
+            self._todo = index.reserve_warm()  # none without free host slots or disk blocks
         self._thread: threading.Thread | None = None
         if self._todo:
             self._thread = threading.Thread(target=self._run, name="onecopy-kv-warm", daemon=True)

@@ -229,21 +229,20 @@ class TierStore:
         of that key, whole (its CRC-32): logged, and a file that is there but does not check is deleted (it
         would miss again)."""
         data = torch.empty((len(keys), self.block_bytes), dtype=torch.uint8, pin_memory=self.pinned)
-        rows = [data[i] for i in range(len(keys))]
-        if len(keys) < 2:
-            return [self._read_into(k, r) for k, r in zip(keys, rows)]
-        return list(self._pool().map(self._read_into, keys, rows))
+        return self._read_rows(keys, [data[i] for i in range(len(keys))])
 
     def read_to_slots(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
         """Read ``keys``' files into host ``slots`` (free ones: no copy reads or writes them), checked as `read`
         checks; whether each holds its block now."""
-        rows = [self.slots[s] for s in slots]
-        return [p is not None for p in self._pool().map(self._read_into, keys, rows)]
+        return [p is not None for p in self._read_rows(keys, [self.slots[s] for s in slots])]
 
-    def _pool(self) -> ThreadPoolExecutor:
+    def _read_rows(self, keys: Sequence[bytes], rows: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """`_read_into` of each key's file into its row, on the readers' threads when there are several."""
+        if len(keys) < 2:
+            return [self._read_into(k, r) for k, r in zip(keys, rows)]
         if self._readers is None:  # file reads and CRC-32s release the GIL: a 4k-token history reads 256 files
             self._readers = ThreadPoolExecutor(min(16, os.cpu_count() or 1), thread_name_prefix="onecopy-kv-read")
-        return self._readers
+        return list(self._readers.map(self._read_into, keys, rows))
 
     def _read_into(self, key: bytes, payload: torch.Tensor) -> torch.Tensor | None:
         path = self._path(key)
