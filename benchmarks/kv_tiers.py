@@ -14,12 +14,13 @@ turn and one more, so the turn's loads evict the filler's blocks to the host tie
 state; ``--pause`` seconds after the filler, as a user's next turn comes later: the idle engine copies the filler's
 cached blocks to the host tier meanwhile, so the turn's evictions copy nothing), disk (a restart: the history on one
 engine, its blocks saved to the disk tier at close, the turn on a new engine on the same directory, after a warm-up
-prompt, with room for the turn; the same files are then read again alone, timed: the disk's share,
-``file_read_ms_p50``; no host tier: the files are read on the turn's way), restart (the same with a host tier too: the
-new engine warms it from the disk tier in the background while it serves the warm-up, `runtime.kv_warm`; where the
-turn's blocks came from is counted by tier), none (prefix cache off: the whole turn prefilled). The prefill's work and
-the blocks' bytes both grow with the layers, but an 8-layer cut's LM head and fixed host costs are a larger share of
-the turn's 65-token prefill: the goals are measured on the whole shape.
+prompt, with room for the turn (the file reads inside its TTFT timed: ``turn_file_read_ms``); the same files are then
+read again alone, timed (page cache warm): ``file_read_ms_p50``; no host tier: the files are read on the turn's way),
+restart (the same with a host tier too: the new engine warms it from the disk tier in the background while it serves
+the warm-up, `runtime.kv_warm`; where the turn's blocks came from is counted by tier), none (prefix cache off: the
+whole turn prefilled). The prefill's work and the blocks' bytes both grow with the layers, but an 8-layer cut's LM
+head and fixed host costs are a larger share of the turn's 65-token prefill: the goals are measured on the whole
+shape.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def run_case(bundle: Path, device: str, case: str, a: argparse.Namespace, disk: 
         options["prefix_cache"] = False
     rng = random.Random(0)
     ids = lambda n: [rng.randrange(10, vocab - 10) for _ in range(n)]  # noqa: E731
-    times, cached, restored, reads = [], [], 0, []
+    times, cached, restored, reads, turn_reads = [], [], 0, [], []
     by_tier = {"host": 0, "disk": 0}
     if case in ("disk", "restart"):  # a restart: the history's blocks saved at close, the turn on a new engine
         options = {"max_sessions": 2, "kv_blocks": 2 * blocks, "kv_host_bytes": 4 << 30 if case == "restart" else 0,
@@ -65,8 +66,19 @@ def run_case(bundle: Path, device: str, case: str, a: argparse.Namespace, disk: 
                 reply = e.submit(history, ONE, stop_ids=[]).result()
             with onecopy.Engine.load(bundle, device, **options) as e:
                 e.submit(ids(a.history), ONE, stop_ids=[]).result()  # warm-up, with room left for the turn
+                index, spent = e.scheduler.kv.tiers, []
+                read = index._read  # the turn's file reads, timed: the disk's share inside its TTFT
+
+                def timed(keys, read=read, spent=spent):
+                    t0 = time.perf_counter()
+                    try:
+                        return read(keys)
+                    finally:
+                        spent.append(time.perf_counter() - t0)
+                index._read = timed
                 turn = e.submit(history + reply + ids(a.turn), ONE, stop_ids=[])
                 turn.result()
+                turn_reads.append(sum(spent))
                 times.append(turn.time_to_first_token)
                 cached.append(turn.cached_tokens)
                 stats = e.scheduler.kv.tiers.stats
@@ -96,8 +108,9 @@ def run_case(bundle: Path, device: str, case: str, a: argparse.Namespace, disk: 
             restored = report.kv_tier_restored
     times, cached = times[1:], cached[1:]  # the first of each case: its first restore of these sizes
     extra: dict = {"restored_by_tier": by_tier} if case in ("disk", "restart") else {}
-    if reads:  # what the disk gives: the turn's files read again (page cache warm, as in the turn), GB/s
-        extra |= {"file_read_ms_p50": round(1000 * pct(reads[1:], 0.5), 2),
+    if reads:  # what the disk gives: the turn's files read again (page cache warm), GB/s; and read in the turn
+        extra |= {"turn_file_read_ms": [round(1000 * t, 2) for t in turn_reads[1:]],
+                  "file_read_ms_p50": round(1000 * pct(reads[1:], 0.5), 2),
                  "file_read_gb_s": round(a.history // bs * report.kv_block_bytes / pct(reads[1:], 0.5) / 1e9, 2)}
     return {**extra, "case": case, "ttft_ms_p50": round(1000 * pct(times, 0.5), 2),
             "ttft_ms": [round(1000 * t, 2) for t in times],
