@@ -357,3 +357,45 @@ def test_a_thousand_conversations_on_a_cache_that_holds_64_all_resume_after_a_re
     with onecopy.Engine.load(tiny_bundle, max_sessions=8, prefix_cache=False) as plain:
         want = [plain.submit(turns[i], one, stop_ids=[]) for i in sample]
         assert [w.result() for w in want] == [got[i] for i in sample]
+
+
+def test_deterministic_turns_have_the_bits_of_their_whole_history_prefilled_from_every_tier(tiny_bundle, tmp_path):
+    """A deterministic engine caches the blocks a prefill wrote (prompts', not the reply a decode step wrote: here
+    it fills the third block) and ends a hit at a multiple of its prefill chunk (12 here: the two blocks found
+    give 24 positions), so the rest is cut where a whole prefill cuts it (on this bundle cuts at 32 and 44
+    give other bits than at 36 and 48): a turn on a history gets the ids and KV bits of the whole history
+    prefilled (prefix cache off), whether its blocks come from the device, the host tier or the disk tier."""
+    history = PROMPT
+    sampled = SamplingParams(max_new_tokens=9, temperature=0.9, seed=11)  # sampled: the logits' bits matter
+    det = {"deterministic": True, "prefill_chunk": 12, "max_sessions": 2, "kv_blocks": 8}
+
+    def turn(e, reply=None):
+        if reply is None:
+            reply = e.submit(history, sampled).result()
+        r = e.submit(history + reply + [50, 51, 52], sampled, keep_session=True)
+        out = (reply, r.result(), _state(r.session), r.cached_tokens)
+        r.session.close()
+        return out
+
+    with onecopy.Engine.load(tiny_bundle, prefix_cache=False, **det) as e:
+        reply, ids, state, cached = turn(e)
+        assert cached == 0 and not e.memory_report().prefix_cache
+    runs = {}
+    with onecopy.Engine.load(tiny_bundle, **det) as e:
+        assert e.memory_report().prefix_cache
+        runs["device"] = turn(e)
+    with onecopy.Engine.load(tiny_bundle, kv_host_bytes=1 << 22, **det) as e:
+        e.submit(history, sampled).result()
+        _evict(e)
+        runs["host"] = turn(e, reply)
+        assert e.scheduler.kv.tiers.stats.restored_host == 2
+    with onecopy.Engine.load(tiny_bundle, kv_disk_dir=tmp_path, **det) as e:
+        e.submit(history, sampled).result()  # its blocks saved when the engine closes
+    assert len(list(tmp_path.glob("kv-*-det12/*.kv"))) == 2  # the prompt's two whole blocks; its own directory
+    with onecopy.Engine.load(tiny_bundle, kv_disk_dir=tmp_path, **det) as e:
+        runs["disk"] = turn(e, reply)
+        assert e.scheduler.kv.tiers.stats.restored_disk == 2
+    for tier, (r, got, st, cached) in runs.items():
+        for k, v in state.items():
+            assert torch.equal(st[k], v), (tier, k)
+        assert (r, got, cached) == (reply, ids, 24), tier  # two blocks found, cut back to a multiple of 12

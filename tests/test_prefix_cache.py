@@ -163,16 +163,6 @@ def test_snapshot_of_a_session_on_shared_blocks_restores_elsewhere(tiny_engine, 
     s.close()
 
 
-def test_deterministic_mode_turns_the_cache_off_and_says_so(tiny_bundle):
-    with onecopy.Engine.load(tiny_bundle, deterministic=True, max_sessions=2) as engine:
-        engine.submit(PROMPT, GREEDY).result()
-        again = engine.submit(PROMPT, GREEDY)
-        again.result()
-        r = engine.memory_report()
-        assert again.cached_tokens == 0 and not r.prefix_cache
-        assert any("prefix cache off in deterministic mode" in n for n in r.notes)
-
-
 def test_direct_calls_on_a_session_own_their_blocks(tiny_engine):
     a = tiny_engine.open_session()
     a.prefill(PROMPT)

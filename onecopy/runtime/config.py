@@ -28,10 +28,12 @@ class EngineConfig:
       prefill chunk its length (chunks are cut the same whatever the budget).
     - ``max_queue``: requests waiting for a row before QueueFullError (default unbounded); ``max_batch``:
       sessions per decode step (1: one at a time, the unbatched baseline).
-    - ``prefix_cache`` (bundles with paged KV; off in deterministic mode): a request starts on the cached
-      KV blocks of the longest prefix of its prompt. ``kv_blocks``: KV blocks of the paged cache (default:
-      every row can reach max_seq_len; on CUDA, the free memory). Rows take blocks as they grow; when none
-      is left the newest running request is preempted and resumed later (`runtime.scheduler`).
+    - ``prefix_cache`` (bundles with paged KV): a request starts on the cached KV blocks of the longest prefix
+      of its prompt; in deterministic mode only blocks a prefill wrote (prompts') are cached and a hit ends at
+      a multiple of ``prefill_chunk``, so a request gets the bits of its whole prompt prefilled. ``kv_blocks``:
+      KV blocks of the paged cache (default: every row can reach max_seq_len; on CUDA, the free memory). Rows
+      take blocks as they grow; when none is left the newest running request is preempted and resumed later
+      (`runtime.scheduler`).
       ``new_token_ratio`` (default 1.0): the share of each running request's unwritten ``max_new_tokens``
       blocks kept free when admitting another (SGLang's name). 1: admitted requests all reach their
       ``max_new_tokens`` without a preemption (TensorRT-LLM's default, GUARANTEED_NO_EVICT); lower admits

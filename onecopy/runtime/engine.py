@@ -180,27 +180,29 @@ class Engine:
         elif not c.prefix_cache:
             self.prefix_cache_note = "prefix cache off (prefix_cache=False)"
         elif c.deterministic:
-            self.prefix_cache_note = ("prefix cache off in deterministic mode: prefilling a prompt's rest after a "
-                                      "cached prefix cuts it elsewhere, which changes bits")
-        self.prefix_cache = paged and c.prefix_cache and not c.deterministic
+            self.prefix_cache_note = ("deterministic prefix cache: prompt blocks only, hits cut at a multiple of the "
+                                      "prefill chunk (a turn gets the bits of its whole history prefilled)")
+        self.prefix_cache = paged and c.prefix_cache
         self.runner = ModelRunner(self.path, m, self.device, self._methods, self._store, rows,
                                   deterministic=c.deterministic, cuda_graphs=c.cuda_graphs,
                                   decode_buckets=c.decode_buckets, kv_blocks=blocks)
         log.info("%s on %s: %s; decode %s%s", self.path.name, self.device, self.pool_sizing,
                  decode.name if decode else "none",
                  f", graphs for {self.runner.graph_buckets}" if self.runner.graph_buckets else "")
-        kv = KVSpec(blocks, m.table_width, m.kv_block_size, self.prefix_cache) if paged else None
+        prefill_chunk = min(c.prefill_chunk or DEFAULT_PREFILL_CHUNK, self.prefill_bound)
+        kv = KVSpec(blocks, m.table_width, m.kv_block_size, self.prefix_cache,
+                    aligned=prefill_chunk if c.deterministic else 0) if paged else None
         tiers = None
         if c.kv_host_bytes or c.kv_disk_dir:
             if self.prefix_cache:
-                tiers = self._kv_tiers(c)
+                tiers = self._kv_tiers(c, prefill_chunk)
                 if tiers is None:
                     self.prefix_cache_note = ("KV tiers off: kv_host_bytes holds no block and the disk tier has no "
                                               "room (kv_disk_dir without kv_disk_bytes)")
             else:
                 self.prefix_cache_note += "; the KV tiers (kv_host_bytes, kv_disk_dir) keep its blocks: off too"
         self.scheduler = Scheduler(rows, max_seq_len=m.max_seq_len, has_prefill=self.has_prefill,
-                                   prefill_chunk=min(c.prefill_chunk or DEFAULT_PREFILL_CHUNK, self.prefill_bound),
+                                   prefill_chunk=prefill_chunk,
                                    max_queue=c.max_queue, max_batch=c.max_batch, token_budget=c.token_budget, kv=kv,
                                    tiers=tiers,
                                    replay_in_decode=c.deterministic, new_token_ratio=c.new_token_ratio)
@@ -217,14 +219,16 @@ class Engine:
                                  fail=self.loop.fail, submit=self.submit, wake=self.loop.wake,
                                  capacity_error=self._capacity_error, on_open=self._fresh_constants)
 
-    def _kv_tiers(self, c: EngineConfig) -> TierIndex | None:
+    def _kv_tiers(self, c: EngineConfig, prefill_chunk: int) -> TierIndex | None:
         """The host and disk tiers of the prefix cache (`kv_tiers`): their bytes held by the runner's blocks, their
         index for the scheduler's KV manager, with the files a disk tier already holds for this model (the
         oldest past ``kv_disk_bytes`` deleted); None when neither tier has room for a block."""
         m, blocks = self.manifest, self.runner.blocks
         assert blocks is not None
         fingerprint = m.fingerprint()
-        directory = Path(c.kv_disk_dir) / f"kv-{fingerprint[:16]}" if c.kv_disk_dir else None
+        # A deterministic engine's blocks hold a prefill's bits for its chunk size: a directory of their own.
+        kind = f"-det{prefill_chunk}" if c.deterministic else ""
+        directory = Path(c.kv_disk_dir) / f"kv-{fingerprint[:16]}{kind}" if c.kv_disk_dir else None
         slots = c.kv_host_bytes // blocks.block_bytes
         store = TierStore({k: m.state[k] for k in m.paged_state}, slots, directory, fingerprint, self.device)
         disk_blocks = c.kv_disk_bytes // store.file_bytes if directory is not None else 0

@@ -18,6 +18,8 @@ With tiers (`kv_tiers.TierIndex`), a block that becomes cached (published, no ro
 a free host slot, if there is one, and an evicted cached block is saved to host memory or disk before it is
 reused (if it is not there yet), and a fresh request's prefix continues past the device's cached blocks into the tiers: the blocks
 found there are loaded into fresh blocks (and published again) instead of prefilled.
+A deterministic engine (`KVSpec.aligned`) publishes only what a prefill wrote and starts a request on a cached
+prefix cut back to a multiple of its prefill chunk: a hit then gives the bits of the whole prompt prefilled.
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ class KVSpec:
     width: int
     block_size: int
     prefix_cache: bool
+    # A deterministic engine's prefill chunk (0: not deterministic). Its prompts are cut into chunks of this
+    # size from position 0 and a prefill's bits depend on the cuts, so a cached prefix it starts on ends at a
+    # multiple of it (the rest is then cut where a whole prefill cuts it), and only positions a prefill wrote
+    # are published (a prompt's, not the ids a decode step wrote): a hit gives the bits of a whole prefill.
+    aligned: int = 0
 
 
 def common_blocks(a: Sequence[int], b: Sequence[int], block_size: int) -> int:
@@ -57,6 +64,7 @@ class KVCacheManager:
 
     def __init__(self, spec: KVSpec, rows: int, max_seq_len: int, ops: StateOps, tiers: TierIndex | None = None) -> None:
         self.blocks, self.width, self.block_size = spec.blocks, spec.width, spec.block_size
+        self.aligned = spec.aligned
         self.rows, self.max_seq_len, self._ops = rows, max_seq_len, ops
         self.owned: list[list[int]] = [[] for _ in range(rows + 1)]  # each row's blocks, in table order
         self.refs = [0] * spec.blocks
@@ -154,6 +162,15 @@ class KVCacheManager:
         if self.index is not None:
             self.index.publish(self.owned[row], tokens)
 
+    def _publish_request(self, req: Request, tokens: Sequence[int]) -> None:
+        """`publish` what ``req``'s row holds, ``tokens`` from position 0; deterministic (`KVSpec.aligned`): only
+        its prompt, and only from a row it started empty (a session's earlier ids may be a decode step's)."""
+        if self.aligned:
+            if req.start or req.base != []:
+                return
+            tokens = tokens[:len(req.prompt)]
+        self.publish(req.row, tokens)
+
     def lookup(self, tokens: Sequence[int], touch: bool = True) -> list[int]:
         """Cached blocks holding the longest block-aligned prefix of ``tokens`` (none without the cache)."""
         return self.index.lookup(tokens, touch) if self.index is not None else []
@@ -193,10 +210,14 @@ class KVCacheManager:
         are the next sample)."""
         if self.index is None or not req.starts_empty:
             return [], [], 0
-        ids = req.feed(0, req.feed_len)
+        # deterministic: the prompt alone (a resumed request's ids were written by decode steps)
+        ids = req.feed(0, len(req.prompt) if self.aligned else req.feed_len)
         found = self.lookup(ids, touch)
         keys = self._tier_keys(ids, found, req.digests) if self.tiers is not None else []
-        cached = min((len(found) + len(keys)) * self.block_size, req.feed_len - 1)
+        cached = min((len(found) + len(keys)) * self.block_size, len(ids) - 1)
+        if self.aligned:
+            cached -= cached % self.aligned
+            keys = keys[:max(0, self.blocks_for(cached) - len(found))]
         return found[:self.blocks_for(cached)], keys, cached
 
     def _tier_keys(self, ids: Sequence[int], found: list[int], known: dict[int, bytes]) -> list[bytes]:
@@ -267,6 +288,9 @@ class KVCacheManager:
             self.share(req.row, shared)
             if keys:
                 req.cached -= (len(keys) - self._restore(req, keys)) * self.block_size
+                if self.aligned and req.cached % self.aligned:  # a restore cut short: back to a chunk's start
+                    req.cached -= req.cached % self.aligned
+                    self.trim(req.row, req.cached)
             key = self._prefilling_key(req)
             if self.index is not None and key is not None:
                 self._prefilling.setdefault(key, []).append(req)
@@ -276,14 +300,14 @@ class KVCacheManager:
         """A request's prompt is in its row (the step is queued): later prompts may start on its blocks."""
         self._untrack(req)
         if self.index is not None and req.base is not None:
-            self.publish(req.row, req.base + req.feed(0, req.feed_len))
+            self._publish_request(req, req.base + req.feed(0, req.feed_len))
 
     def preempted(self, req: Request) -> None:
         """A running request gives up its blocks (`grows` is true of it): the ids its row holds are
         published first (with the prefix cache, its next admission starts on those still cached)."""
         self._untrack(req)
         if self.index is not None:
-            self.publish(req.row, (req.prompt + req.output)[:req.end])
+            self._publish_request(req, (req.prompt + req.output)[:req.end])
         self.release(req.row)
 
     def finished(self, req: Request) -> None:
@@ -292,7 +316,7 @@ class KVCacheManager:
         self._untrack(req)
         held = req.held
         if held is not None:
-            self.publish(req.row, held)
+            self._publish_request(req, held)
         self.trim(req.row, req.end)
 
     def persist(self) -> None:
