@@ -391,7 +391,7 @@ def test_deterministic_turns_have_the_bits_of_their_whole_history_prefilled_from
         assert e.scheduler.kv.tiers.stats.restored_host == 2
     with onecopy.Engine.load(tiny_bundle, kv_disk_dir=tmp_path, **det) as e:
         e.submit(history, sampled).result()  # its blocks saved when the engine closes
-    assert len(list(tmp_path.glob("kv-*-det12/*.kv"))) == 2  # the prompt's two whole blocks; its own directory
+    assert len(list(tmp_path.glob("kv-*-det12-cpu/*.kv"))) == 2  # the prompt's two whole blocks; its own directory
     with onecopy.Engine.load(tiny_bundle, kv_disk_dir=tmp_path, **det) as e:
         runs["disk"] = turn(e, reply)
         assert e.scheduler.kv.tiers.stats.restored_disk == 2
@@ -399,3 +399,38 @@ def test_deterministic_turns_have_the_bits_of_their_whole_history_prefilled_from
         for k, v in state.items():
             assert torch.equal(st[k], v), (tier, k)
         assert (r, got, cached) == (reply, ids, 24), tier  # two blocks found, cut back to a multiple of 12
+
+
+@pytest.mark.parametrize("lost", [[0, 1], [1]])
+def test_a_deterministic_restore_cut_short_is_cut_back_to_a_chunk_and_keeps_the_bits(tiny_bundle, tmp_path, lost):
+    """Files gone after the engine listed them: the restore loads fewer blocks than the lookup found, and the
+    prefix the row starts on is cut back again to a multiple of the prefill chunk (none loaded: 0; the first
+    block alone: 12 of its 16 positions, the rest copied on write and prefilled): a miss, never a failure, and
+    the turn keeps the bits of the whole prompt prefilled."""
+    sampled = SamplingParams(max_new_tokens=4, temperature=0.9, seed=3)
+    det = {"deterministic": True, "prefill_chunk": 12, "max_sessions": 2, "kv_blocks": 8}
+    with onecopy.Engine.load(tiny_bundle, prefix_cache=False, **det) as e:
+        r = e.submit(NEXT, sampled, keep_session=True)
+        ids, state = r.result(), _state(r.session)
+        r.session.close()
+    with onecopy.Engine.load(tiny_bundle, kv_disk_dir=tmp_path, **det) as e:
+        e.submit(PROMPT, sampled).result()
+    with onecopy.Engine.load(tiny_bundle, kv_disk_dir=tmp_path, **det) as e:
+        for i in lost:  # the files of PROMPT's blocks, by key: block 0's, block 1's
+            (next(tmp_path.glob("kv-*-det12-cpu")) / (prefix_digest_chain(PROMPT, i + 1).hex() + ".kv")).unlink()
+        r = e.submit(NEXT, sampled, keep_session=True)
+        assert r.result() == ids and r.cached_tokens == (0 if lost == [0, 1] else 12)
+        for k, v in _state(r.session).items():
+            assert torch.equal(v, state[k]), k
+        r.session.close()
+        assert e.submit(PROMPT, sampled).result()  # the engine serves on
+
+
+def prefix_digest_chain(ids: list[int], blocks: int) -> bytes:
+    """The tiers' key of ``ids``' first ``blocks`` blocks of 16 (`kv_tiers.prefix_digest` chained from the root)."""
+    from onecopy.runtime.kv_tiers import ROOT_DIGEST
+
+    key = ROOT_DIGEST
+    for i in range(blocks):
+        key = prefix_digest(key, ids[16 * i:16 * (i + 1)])
+    return key

@@ -201,3 +201,20 @@ def test_server_reports_cached_tokens_and_kv_blocks(tiny_bundle):
         c.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0)
         again = c.completions.create(model="tiny", prompt=PROMPT + [9], max_tokens=4, temperature=0)
         assert again.usage.prompt_tokens_details.cached_tokens == 0
+
+
+@pytest.mark.parametrize("chunk, admitted", [(512, [1, 2, 3]), (16, [1])])
+def test_a_deterministic_prompt_waits_for_a_shared_prefill_only_where_its_cut_gains_from_it(chunk, admitted):
+    """Two prompts share a 40-id opening (two blocks). A prompt that would find the other's blocks waits for its
+    prefill (and the queue behind it, in order), but a deterministic engine cuts a hit back to a multiple of its
+    prefill chunk: with chunks of 512 the two blocks give nothing, so all three are admitted at once."""
+    from onecopy.runtime.kv_manager import KVSpec
+    from onecopy.runtime.request import Request
+    from onecopy.runtime.scheduler import Scheduler
+
+    s = Scheduler(4, max_seq_len=1024, has_prefill=True, prefill_chunk=chunk,
+                  kv=KVSpec(256, 64, 16, True, aligned=chunk))
+    opening, params = list(range(1000, 1040)), SamplingParams(max_new_tokens=4, temperature=0)
+    for i, prompt in enumerate((opening + list(range(300)), opening + list(range(500, 800)), list(range(2000, 2100)))):
+        s.add(Request(i + 1, prompt, params, frozenset()))
+    assert [r.id for r in s.admit()] == admitted

@@ -226,8 +226,9 @@ class Engine:
         m, blocks = self.manifest, self.runner.blocks
         assert blocks is not None
         fingerprint = m.fingerprint()
-        # A deterministic engine's blocks hold a prefill's bits for its chunk size: a directory of their own.
-        kind = f"-det{prefill_chunk}" if c.deterministic else ""
+        # A deterministic engine's blocks hold a prefill's bits for its chunk size and device: a directory of
+        # their own.
+        kind = f"-det{prefill_chunk}-{self.device.type}" if c.deterministic else ""
         directory = Path(c.kv_disk_dir) / f"kv-{fingerprint[:16]}{kind}" if c.kv_disk_dir else None
         slots = c.kv_host_bytes // blocks.block_bytes
         store = TierStore({k: m.state[k] for k in m.paged_state}, slots, directory, fingerprint, self.device)

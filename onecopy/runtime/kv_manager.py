@@ -210,15 +210,24 @@ class KVCacheManager:
         are the next sample)."""
         if self.index is None or not req.starts_empty:
             return [], [], 0
-        # deterministic: the prompt alone (a resumed request's ids were written by decode steps)
-        ids = req.feed(0, len(req.prompt) if self.aligned else req.feed_len)
+        ids = self._cacheable(req)
         found = self.lookup(ids, touch)
         keys = self._tier_keys(ids, found, req.digests) if self.tiers is not None else []
-        cached = min((len(found) + len(keys)) * self.block_size, len(ids) - 1)
-        if self.aligned:
-            cached -= cached % self.aligned
-            keys = keys[:max(0, self.blocks_for(cached) - len(found))]
+        cached = self._usable((len(found) + len(keys)) * self.block_size, len(ids))
+        keys = keys[:max(0, self.blocks_for(cached) - len(found))]
         return found[:self.blocks_for(cached)], keys, cached
+
+    def _cacheable(self, req: Request) -> list[int]:
+        """The ids of ``req`` a cached prefix may cover: what it reads, or in a deterministic engine its prompt
+        alone (a resumed request's generated ids were written by decode steps)."""
+        return req.feed(0, len(req.prompt) if self.aligned else req.feed_len)
+
+    def _usable(self, positions: int, n: int) -> int:
+        """How many of ``positions`` cached positions a request reading ``n`` cacheable ids starts on: at least
+        one id is left to prefill (its logits are the next sample), and a deterministic engine cuts back to a
+        multiple of its prefill chunk (`KVSpec.aligned`)."""
+        cached = min(positions, n - 1)
+        return cached - cached % self.aligned if self.aligned else cached
 
     def _tier_keys(self, ids: Sequence[int], found: list[int], known: dict[int, bytes]) -> list[bytes]:
         """The tiers' keys of the whole blocks of ``ids`` after the device's ``found`` ones, up to the first
@@ -273,9 +282,10 @@ class KVCacheManager:
             return self.cost(req.row, req.start, end) <= headroom
         shared, keys, cached = self._cached_prefix(req, touch=False)
         if self.index is not None and self._prefilling:
-            ids = req.feed(0, req.feed_len)
-            if any(common_blocks(p.feed(0, p.feed_len), ids, self.block_size) > len(shared) + len(keys)
-                   for p in self._prefilling.get(self._prefilling_key(req), ())):
+            # wait for a prompt being prefilled only where its blocks would give this one more cached positions
+            ids = self._cacheable(req)
+            if any(self._usable(common_blocks(self._cacheable(p), ids, self.block_size) * self.block_size,
+                                len(ids)) > cached for p in self._prefilling.get(self._prefilling_key(req), ())):
                 return False
         need = self.blocks_for(end) - len(shared) + (1 if cached % self.block_size else 0)
         return need <= headroom - sum(1 for b in shared if self.refs[b] == 0)
@@ -287,9 +297,10 @@ class KVCacheManager:
             shared, keys, req.cached = self._cached_prefix(req, touch=True)
             self.share(req.row, shared)
             if keys:
-                req.cached -= (len(keys) - self._restore(req, keys)) * self.block_size
-                if self.aligned and req.cached % self.aligned:  # a restore cut short: back to a chunk's start
-                    req.cached -= req.cached % self.aligned
+                loaded = self._restore(req, keys)
+                if loaded < len(keys):  # cut short: what the row holds now, cut back as the lookup cuts
+                    req.cached = self._usable(min(req.cached, (len(shared) + loaded) * self.block_size),
+                                              len(self._cacheable(req)))
                     self.trim(req.row, req.cached)
             key = self._prefilling_key(req)
             if self.index is not None and key is not None:

@@ -113,3 +113,42 @@ def test_a_slot_saved_on_the_copy_stream_is_spilled_with_its_new_bytes(bundle, t
             torch.cuda.synchronize()
             assert torch.equal(got.cpu(), want)
             assert torch.equal(store._gather(blocks, [2]).cpu(), store._gather(blocks, [1]).cpu())
+
+
+def test_deterministic_turns_have_the_bits_of_their_whole_history_prefilled_from_every_tier_on_cuda(bundle, tmp_path):
+    """tests/test_kv_tiers.py's deterministic case on CUDA (graphs, the copy stream, page-locked slots): the
+    reply fills the fifth block (a decode step's bits: not published), the four prompt blocks found are cut
+    back to 48 positions (a multiple of the prefill chunk, 24), and the turn's ids and KV equal the prefix
+    cache off, bit for bit, from the device, the host tier and the disk tier."""
+    sampled = onecopy.SamplingParams(max_new_tokens=9, temperature=0.9, seed=5)
+    det = {"deterministic": True, "prefill_chunk": 24, "max_sessions": 2, "kv_blocks": 24}
+
+    def turn(e, reply=None):
+        if reply is None:
+            reply = e.submit(PROMPT, sampled, stop_ids=[]).result()
+        r = e.submit(PROMPT + reply + [500, 501, 502], sampled, keep_session=True, stop_ids=[])
+        ids = r.result()
+        state = {k: v[:, :r.session.position].clone() for k, v in r.session.state.items()}
+        r.session.close()
+        return reply, ids, state, r.cached_tokens
+
+    with onecopy.Engine.load(bundle, "cuda", prefix_cache=False, **det) as e:
+        reply, ids, state, cached = turn(e)
+    assert cached == 0
+    runs = {}
+    with onecopy.Engine.load(bundle, "cuda", **det) as e:
+        runs["device"] = turn(e)
+    with onecopy.Engine.load(bundle, "cuda", kv_host_bytes=1 << 24, **det) as e:
+        e.submit(PROMPT, sampled, stop_ids=[]).result()
+        _evict(e)
+        runs["host"] = turn(e, reply)
+        assert e.scheduler.kv.tiers.stats.restored_host == 3
+    with onecopy.Engine.load(bundle, "cuda", kv_disk_dir=tmp_path, **det) as e:
+        e.submit(PROMPT, sampled, stop_ids=[]).result()
+    with onecopy.Engine.load(bundle, "cuda", kv_disk_dir=tmp_path, **det) as e:
+        runs["disk"] = turn(e, reply)
+        assert e.scheduler.kv.tiers.stats.restored_disk == 3
+    for tier, (r, got, st, cached) in runs.items():
+        for k, v in state.items():
+            assert torch.equal(st[k], v), (tier, k)
+        assert (r, got, cached) == (reply, ids, 48), tier
