@@ -218,3 +218,17 @@ def test_a_deterministic_prompt_waits_for_a_shared_prefill_only_where_its_cut_ga
     for i, prompt in enumerate((opening + list(range(300)), opening + list(range(500, 800)), list(range(2000, 2100)))):
         s.add(Request(i + 1, prompt, params, frozenset()))
     assert [r.id for r in s.admit()] == admitted
+
+
+def test_a_prompt_ending_inside_a_cached_block_copies_it_and_the_longer_prefix_stays_cached(tiny_engine):
+    """A prompt whose every block is cached prefills its last id into a copy of its last block: the cached block,
+    and the longer prefix published under it, stay cached for the next prompt (it was overwritten and
+    unpublished, the longer prefix with it)."""
+    a = list(range(100, 156))  # 56 ids: three whole blocks
+    tiny_engine.submit(a, GREEDY).result()
+    short = tiny_engine.submit(a[:32], GREEDY)
+    short.result()
+    assert short.cached_tokens == 31
+    again = tiny_engine.submit(a, GREEDY)
+    again.result()
+    assert again.cached_tokens == 48

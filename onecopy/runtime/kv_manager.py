@@ -100,7 +100,11 @@ class KVCacheManager:
         """Blocks ``row`` must take to write positions [start, upto): new ones and copies on write."""
         have = self.owned[row]
         return max(0, self.blocks_for(upto) - len(have)) + sum(
-            1 for b in have[start // self.block_size:] if self.refs[b] > 1)
+            1 for b in have[start // self.block_size:] if self._readable(b))
+
+    def _readable(self, block: int) -> bool:
+        """Whether another row or the prefix index can read ``block`` (a row writing into it copies it first)."""
+        return self.refs[block] > 1 or (self.index is not None and block in self.index)
 
     # -- a row's blocks --------------------------------------------------------------------------------
     def share(self, row: int, blocks: Sequence[int]) -> None:
@@ -126,15 +130,15 @@ class KVCacheManager:
         changed, fresh = len(have), []
         for i in range(first, len(have)):
             b = have[i]
-            if self.refs[b] > 1:  # copy on write: the others keep the original
+            # copy on write: other rows keep the original, and a cached prefix stays cached (with the longer
+            # prefixes published under it) instead of being overwritten
+            if self._readable(b):
                 new = self._take()
                 self._ops.add(CopyBlock(b, new))
-                self.refs[b] -= 1
+                self._unreference(b)
                 have[i] = new
                 self.copies += 1
                 changed = min(changed, i)
-            elif self.index is not None and b in self.index:
-                self._free.extend(self.index.remove(b))  # ours alone: it stops being a cached prefix
         while len(have) < self.blocks_for(upto):
             fresh.append(self._take())
             have.append(fresh[-1])
