@@ -177,6 +177,22 @@ def test_a_disk_tier_keeps_blocks_across_a_restart(tiny_bundle, device_hit, tmp_
         _check_restored(e, device_hit, "disk")
 
 
+def test_an_engine_finds_blocks_another_engine_saved_to_the_shared_directory_after_it_started(tiny_bundle, device_hit,
+                                                                                              tmp_path):
+    """Two engines on one directory (replicas): blocks the other saved after this one listed the directory are
+    found there when a prompt looks them up (a file of the block's key, its bytes checked at the load), loaded
+    bit for bit; a key no tier holds is one look at the directory, a miss."""
+    opts = {"kv_blocks": 8, "max_sessions": 2, "kv_disk_dir": tmp_path}
+    with onecopy.Engine.load(tiny_bundle, **opts) as late:
+        assert not late.scheduler.kv.tiers.disk
+        with onecopy.Engine.load(tiny_bundle, **opts) as other:
+            other.submit(PROMPT, GREEDY).result()  # its blocks saved when it closes
+        _check_restored(late, device_hit, "disk")
+        cold = late.submit([7] * 40, GREEDY)
+        cold.result()
+        assert cold.cached_tokens == 0
+
+
 def test_a_restarted_engine_warms_its_host_tier_from_the_disk_tier(tiny_bundle, device_hit, tmp_path):
     """An engine starting on a directory of blocks reads the most recent into its free host slots in the background:
     a conversation resumed after the restart loads from host memory (no file read on its way), bit for bit; the

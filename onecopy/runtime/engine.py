@@ -243,7 +243,7 @@ class Engine:
         blocks.tiers = store
         log.info("KV tiers: %d host slots (%.1f MiB)%s", slots, store.host_bytes / 2**20,
                  f", {disk_blocks} blocks on disk at {directory} ({len(on_disk) - over} there)" if directory else "")
-        return TierIndex(slots, disk_blocks, on_disk[over:], read=store.read)
+        return TierIndex(slots, disk_blocks, on_disk[over:], read=store.read, probe=store.has_file)
 
     def _persist_kv(self) -> None:
         """At close, a disk tier takes every cached block the host and the device hold (`KVCacheManager.persist`):

@@ -245,7 +245,7 @@ class KVCacheManager:
             if digest is None:
                 digest = known[i] = prefix_digest(parent, ids[i * bs:(i + 1) * bs])
             parent = digest
-            if parent not in self.tiers:
+            if not self.tiers.find(parent):
                 break
             keys.append(parent)
         return keys

@@ -50,10 +50,13 @@ class TierIndex:
     """Which prefix keys live in which host slot or file (host only; callers hold the engine's lock)."""
 
     def __init__(self, host_slots: int, disk_blocks: int = 0, on_disk: Sequence[bytes] = (),
-                 read: Callable[[Sequence[bytes]], list[Any]] | None = None) -> None:
+                 read: Callable[[Sequence[bytes]], list[Any]] | None = None,
+                 probe: Callable[[bytes], bool] | None = None) -> None:
         """``on_disk``: the keys the disk tier holds already (at most ``disk_blocks``), least recently used first;
-        ``read``: the keys' files' payloads, checked (None for a file that is gone or does not check)."""
-        self.host_slots, self.disk_blocks, self._read = host_slots, disk_blocks, read
+        ``read``: the keys' files' payloads, checked (None for a file that is gone or does not check); ``probe``:
+        whether a file of the key is there now (written by another engine on the directory since this one listed
+        it: `find`)."""
+        self.host_slots, self.disk_blocks, self._read, self._probe = host_slots, disk_blocks, read, probe
         self.ops: StateOps | None = None  # the queue the operations go to (`attach`): its batches date the files
         self._unwritten: dict[bytes, int] = {}  # key -> the batch whose operations write its file
         self.host: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> slot, LRU first
@@ -72,6 +75,24 @@ class TierIndex:
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.host or key in self.disk
+
+    def find(self, key: bytes) -> bool:
+        """Whether a tier holds ``key``, the disk tier's directory included: a file another engine wrote there
+        after this one listed it (a replica on a shared directory, one that closed since) joins the disk tier
+        here, as the most recently used (its bytes are checked when it is loaded, as every file's are). A prompt
+        looks its blocks up until the first miss, so a prompt no tier holds costs one look at the directory."""
+        if key in self.host or key in self.disk:
+            return True
+        if not self.disk_blocks or self._probe is None or not self._probe(key):
+            return False
+        if len(self.disk) >= self.disk_blocks:  # room made as for a spill: the least recently used file goes
+            old, _ = self.disk.popitem(last=False)
+            self._unwritten.pop(old, None)
+            if self.ops is not None:
+                self.ops.add(DropFile(old))
+            self.stats.dropped += 1
+        self.disk[key] = None
+        return True
 
     def save(self, block: int, key: bytes) -> list[StateOp]:
         """A device block holding the prefix ``key`` is about to be reused: keep its bytes in a host slot (the

@@ -88,6 +88,14 @@ class TierStore:
         return [bytes.fromhex(stem) for stem, size in oldest_first(self.directory, _KEY, _SUFFIX)
                 if size == self.file_bytes]
 
+    def has_file(self, key: bytes) -> bool:
+        """Whether ``key``'s file is in the directory with the size of this model's block (its bytes are
+        checked when it is read)."""
+        try:
+            return self.directory is not None and self._path(key).stat().st_size == self.file_bytes
+        except OSError:
+            return False
+
     # -- operations (block_tensors.BlockTensors.apply hands over each run of them, in order) --------------
     def apply(self, ops: Sequence[StateOp], blocks: dict[str, torch.Tensor]) -> None:
         """Carry out a run of tier operations, in effect in order: cut where a slot or key comes again, each
