@@ -85,12 +85,9 @@ class TierIndex:
             return True
         if not self.disk_blocks or self._probe is None or not self._probe(key):
             return False
-        if len(self.disk) >= self.disk_blocks:  # room made as for a spill: the least recently used file goes
-            old, _ = self.disk.popitem(last=False)
-            self._unwritten.pop(old, None)
-            if self.ops is not None:
-                self.ops.add(DropFile(old))
-            self.stats.dropped += 1
+        drops = self._disk_room()  # room made as for a spill
+        if drops and self.ops is not None:
+            self.ops.add(*drops)
         self.disk[key] = None
         return True
 
@@ -201,15 +198,19 @@ class TierIndex:
     def _to_disk(self, key: bytes, write: StateOp) -> list[StateOp]:
         """``write`` (the operation that writes ``key``'s file), after the deletion of the least recently used file
         where the disk tier is full."""
-        ops: list[StateOp] = []
-        if len(self.disk) >= self.disk_blocks:
-            old, _ = self.disk.popitem(last=False)
-            self._unwritten.pop(old, None)
-            ops.append(DropFile(old))
-            self.stats.dropped += 1
+        ops = self._disk_room()
         self.disk[key] = None
         self._unwritten[key] = self.batch
         self.stats.spilled += 1
         return ops + [write]
+
+    def _disk_room(self) -> list[StateOp]:
+        """Room for one more file: where the disk tier is full, its least recently used file leaves (the deletion)."""
+        if len(self.disk) < self.disk_blocks:
+            return []
+        old, _ = self.disk.popitem(last=False)
+        self._unwritten.pop(old, None)
+        self.stats.dropped += 1
+        return [DropFile(old)]
 
 
