@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import onecopy
-from onecopy.runtime.kv_tiers import TierIndex, prefix_digest
+from onecopy.runtime.kv_tiers import ROOT_DIGEST, TierIndex, prefix_digest
 from onecopy.runtime.plan import DropFile, LoadBlock, SaveBlock, SaveFile, SpillSlot, StateOps
 from onecopy.sampling import SamplingParams
 
@@ -21,6 +21,14 @@ from .conftest import wait_until
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0)
 PROMPT = list(range(3, 43))  # 40 tokens: two full blocks and a partial one
 NEXT = PROMPT + [50, 51, 52]  # the next turn: the two blocks are its cached prefix
+
+
+def _key(ids: list[int], blocks: int) -> bytes:
+    """The tiers' key of ``ids``' first ``blocks`` blocks of 16 (`prefix_digest` chained from the root)."""
+    key = ROOT_DIGEST
+    for i in range(blocks):
+        key = prefix_digest(key, ids[16 * i:16 * (i + 1)])
+    return key
 
 
 def _state(session) -> dict[str, torch.Tensor]:
@@ -224,9 +232,7 @@ def test_a_restarted_engine_warms_its_host_tier_from_the_disk_tier(tiny_bundle, 
 def test_a_file_that_does_not_check_is_a_miss_and_is_deleted(tiny_bundle, device_hit, tmp_path):
     with onecopy.Engine.load(tiny_bundle, kv_blocks=8, max_sessions=2, kv_disk_dir=tmp_path) as e:
         e.submit(PROMPT, GREEDY).result()  # its blocks saved when the engine closes
-    first = prefix_digest(b"", PROMPT[:16])
-    second = prefix_digest(first, PROMPT[16:32])
-    (path,) = tmp_path.glob(f"kv-*/{second.hex()}.kv")
+    (path,) = tmp_path.glob(f"kv-*/{_key(PROMPT, 2).hex()}.kv")
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF  # the payload's last byte: the checksum no longer holds
     path.write_bytes(bytes(data))
@@ -433,7 +439,7 @@ def test_a_deterministic_restore_cut_short_is_cut_back_to_a_chunk_and_keeps_the_
         e.submit(PROMPT, sampled).result()
     with onecopy.Engine.load(tiny_bundle, kv_disk_dir=tmp_path, **det) as e:
         for i in lost:  # the files of PROMPT's blocks, by key: block 0's, block 1's
-            (next(tmp_path.glob("kv-*-det12-cpu")) / (prefix_digest_chain(PROMPT, i + 1).hex() + ".kv")).unlink()
+            (next(tmp_path.glob("kv-*-det12-cpu")) / (_key(PROMPT, i + 1).hex() + ".kv")).unlink()
         r = e.submit(NEXT, sampled, keep_session=True)
         assert r.result() == ids and r.cached_tokens == (0 if lost == [0, 1] else 12)
         for k, v in _state(r.session).items():
@@ -441,12 +447,3 @@ def test_a_deterministic_restore_cut_short_is_cut_back_to_a_chunk_and_keeps_the_
         r.session.close()
         assert e.submit(PROMPT, sampled).result()  # the engine serves on
 
-
-def prefix_digest_chain(ids: list[int], blocks: int) -> bytes:
-    """The tiers' key of ``ids``' first ``blocks`` blocks of 16 (`kv_tiers.prefix_digest` chained from the root)."""
-    from onecopy.runtime.kv_tiers import ROOT_DIGEST
-
-    key = ROOT_DIGEST
-    for i in range(blocks):
-        key = prefix_digest(key, ids[16 * i:16 * (i + 1)])
-    return key
