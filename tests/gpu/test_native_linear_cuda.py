@@ -170,17 +170,20 @@ def test_native_packed_gemm_matches_float64_for_many_rows_and_is_deterministic()
     ulps of float64 on the weight as it dequantizes it (s and m in bf16, s q + m rounded once to bf16: Marlin's
     arithmetic), and within 6x of the eager bf16 product on the float32 dequantization; weights of enough
     256-feature blocks for the GEMM (17408 = 68 whole blocks; 17424 = 1089 tiles: its last block one tile, a warp's
-    second tile and seven warps' tiles empty), which it takes (not cuBLAS's bits on the unpacked weight), and the
-    paths it leaves to cuBLAS on the unpacked weight (4096 outputs: 16 blocks; K = 576, not a multiple of the
-    128-value stage; past 64 rows); the same bits on every call. The decode op without folds takes the GEMM past 8
-    rows where it serves (its rows' sums of squares its own)."""
+    second tile and seven warps' tiles empty) and, on Hopper, weights of few blocks whose K a cluster of CTAs splits
+    (4096 x 4096: 16 blocks, 8 splits of 4 stages; 6144 x 1024: 24 blocks, 4 splits of 2 stages; 4112 x 1024: a last
+    block of one tile), which it takes (not cuBLAS's bits on the unpacked weight), and the paths it leaves to cuBLAS
+    on the unpacked weight (few blocks before Hopper; K = 576, not a multiple of the 128-value stage; past 64 rows);
+    the same bits on every call. The decode op without folds takes the GEMM past 8 rows where it serves, past 16
+    where it splits K (its rows' sums of squares its own)."""
     from onecopy.kernels import native
     from onecopy.layouts import MMA_LAYOUT_IDS
     from onecopy.models.packed import dequantize
 
     torch.manual_seed(2)
-    served = (17408, 17424)
-    for n, k in ((17408, 1024), (17424, 1024), (4096, 4096), (512, 576)):
+    split = torch.cuda.get_device_capability() >= (9, 0)  # thread-block clusters
+    served = (17408, 17424) + ((4096, 6144, 4112) if split else ())
+    for n, k in ((17408, 1024), (17424, 1024), (4096, 4096), (6144, 1024), (4112, 1024), (512, 576)):
         for name, (p, plain) in _weights(n, k).items():
             op = (p.qweight, p.scales, p.mins, MMA_LAYOUT_IDS[p.layout], p.group)
             exact, as_read = dequantize(plain), _gemm_weight(plain)
@@ -201,7 +204,7 @@ def test_native_packed_gemm_matches_float64_for_many_rows_and_is_deterministic()
                 else:
                     assert torch.equal(out, unpacked), (name, n, k, m)
                 assert torch.equal(native.packed_gemm(x, *op), out), (name, n, k, m)
-                if n in served and 8 < m <= native.KERNEL_MAX_ROWS:
+                if n in served and (16 if n < 17408 else 8) < m <= native.KERNEL_MAX_ROWS:  # split: GEMV to 16
                     y, ss = native.packed_linear(x, *op)
                     assert torch.equal(y, out), (name, m)
                     torch.testing.assert_close(ss, y.float().reshape(m, n // 16, 16).pow(2).sum(-1), rtol=1e-5,
@@ -209,11 +212,12 @@ def test_native_packed_gemm_matches_float64_for_many_rows_and_is_deterministic()
 
 
 def test_native_packed_linear_takes_the_gemm_with_its_folds_past_8_rows():
-    """9 to 64 rows of a weight the packed GEMM serves (enough output blocks; the SwiGLU one's last block holds one
-    gate tile of 8): the decode op runs the GEMM with its folds (the RMSNorm before as one kernel, the eager
-    x * rstd then the weight; SwiGLU or the residual add after; the rows' sums of squares), against float64 no
-    looser than the eager bf16 model on the weight as the GEMM dequantizes it; a row's bits do not depend on the
-    rows beside it from 9 to 64 rows (blocks of 16, 32 and 64)."""
+    """9 to 64 rows of a weight the packed GEMM serves (enough output blocks, the SwiGLU one's last block holding one
+    gate tile of 8; on Hopper also few blocks, K split over a cluster): the decode op runs the GEMM with its folds
+    (the RMSNorm before as one kernel, the eager x * rstd then the weight; SwiGLU or the residual add after; the
+    rows' sums of squares), against float64 no looser than the eager bf16 model on the weight as the GEMM
+    dequantizes it; a row's bits do not depend on the rows beside it from 9 to 64 rows (blocks of 16, 32 and 64;
+    from 17 where K is split)."""
     from onecopy.kernels import native
     from onecopy.layouts import MMA_LAYOUT_IDS
     from onecopy.models.packed import dequantize, tile_ordered
@@ -221,9 +225,13 @@ def test_native_packed_linear_takes_the_gemm_with_its_folds_past_8_rows():
     from onecopy.models.quantize import quantize_weight
 
     torch.manual_seed(3)
+    split = torch.cuda.get_device_capability() >= (9, 0)
     for mode, group, n, k, glu, res, norm in [("int4", 128, 2 * 9232, 1024, True, False, True),  # 577 tiles: 73 blocks
                                                ("int8", 128, 17408, 1024, False, True, True),
-                                               ("int4", 32, 17408, 1024, False, True, False)]:
+                                               ("int4", 32, 17408, 1024, False, True, False)] + (
+            # few blocks, K split over a cluster (Hopper): qkv's norm fold, o's residual; a last block of one tile
+            [("int4", 128, 6144, 1024, False, False, True), ("int8", 64, 4112, 1024, False, True, False)]
+            if split else []):
         plain = quantize_weight(torch.randn(n, k) / k ** 0.5, mode, group)
         plain = plain.rebuild(tuple(t.cuda() for t in plain.tensors()))
         p = tile_ordered(plain)
@@ -240,6 +248,8 @@ def test_native_packed_linear_takes_the_gemm_with_its_folds_past_8_rows():
 
         whole = call(0, 64)
         for lo, hi in ((0, 9), (0, 17), (10, 40), (5, 64), (40, 64)):
+            if n < 17408 and hi - lo <= 16:  # a split weight keeps the GEMV up to 16 rows
+                continue
             part = call(lo, hi)
             assert torch.equal(whole[0][lo:hi], part[0]) and torch.equal(whole[1][lo:hi], part[1]), (mode, lo, hi)
         exact, as_read = dequantize(plain), _gemm_weight(plain)

@@ -76,9 +76,10 @@ def packed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     squares of x's rows [M, P], eps) before, SwiGLU of a gate/up weight or a residual add after). Returns
     the output [M, N'] and its rows' sums of squares per 16 outputs [M, N' / 16] (for the next norm).
     With ``invariant`` the GEMV kernel at any number of rows (a row's bits then never depend on the batch);
-    otherwise past 8 rows the packed GEMM with the same folds where it serves the weight (up to 64 rows, weights
-    of many output blocks: `packed_gemm`), else the GEMV up to `KERNEL_MAX_ROWS` rows and past that the weight
-    unpacked for cuBLAS's GEMM with the folds as ATen ops."""
+    otherwise past 8 rows the packed GEMM with the same folds where it serves the weight (up to 64 rows; weights
+    of many output blocks, and on Hopper past 16 rows weights of few, their K split over a cluster of CTAs:
+    `packed_gemm`), else the GEMV up to `KERNEL_MAX_ROWS` rows and past that the weight unpacked for cuBLAS's
+    GEMM with the folds as ATen ops."""
     load()
     nw, ss, eps = norm if norm is not None else (None, None, 0.0)
     return torch.ops.onecopy_native.packed_linear(x, qweight, scales, mins, residual, nw, ss, eps, glu, layout, group,

@@ -94,9 +94,10 @@ __device__ __forceinline__ void dequant_step(const uint4& w, int j, uint32_t (&a
 }
 
 // Launch with programmatic stream serialization allowed (sm_90+: see allow_dependents), else plainly; `args` as
-// cudaLaunchKernel takes them (the address of each parameter).
+// cudaLaunchKernel takes them (the address of each parameter); `cluster_z` > 1 (sm_90+): clusters of that many
+// CTAs along z.
 inline cudaError_t launch_overlapped(const void* kernel, dim3 grid, int threads, size_t smem, cudaStream_t stream,
-                                     void** args) {
+                                     void** args, unsigned cluster_z = 1) {
   int device = 0, major = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
@@ -105,11 +106,15 @@ inline cudaError_t launch_overlapped(const void* kernel, dim3 grid, int threads,
   cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
+  attr[1].id = cudaLaunchAttributeClusterDimension;
+  attr[1].val.clusterDim.x = 1;
+  attr[1].val.clusterDim.y = 1;
+  attr[1].val.clusterDim.z = cluster_z;
   cfg.attrs = attr;
-  cfg.numAttrs = major >= 9 ? 1 : 0;
+  cfg.numAttrs = major < 9 ? 0 : cluster_z > 1 ? 2 : 1;
   return cudaLaunchKernelExC(&cfg, kernel, args);
 }
 

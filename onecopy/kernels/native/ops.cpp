@@ -151,22 +151,25 @@ at::Tensor unpack_weight(const at::Tensor& qweight_in, const at::Tensor& scales_
   return out;
 }
 
-// The packed GEMM (packed_gemm.cu) serves up to kGemmMaxRows rows, for weights of at least half as many output
-// blocks as the GPU has SMs (one CTA a block of 256 outputs, 128 with SwiGLU; H200, int4 g128,
+// The packed GEMM (packed_gemm.cu) serves up to kGemmMaxRows rows, where its CTAs fill enough SMs (one CTA a block of
+// 256 outputs, 128 with SwiGLU, times the K splits of a weight of few blocks on Hopper); H200, int4 g128,
 // benchmarks/packed_gemm_cuda.py: the fused gate/up weight at 64 rows 79 us against 155 unpacked for cuBLAS, bf16
-// 64; 4096-output weights 2x slower than unpacking); at 128 rows and more cuBLAS on the unpacked weight is as fast
-// or faster.
+// 64; 4096-output weights in 16 CTAs 2x slower than unpacking); at 128 rows and more cuBLAS on the unpacked weight
+// is as fast or faster.
 constexpr int64_t kGemmMaxRows = 64;
 
 onecopy_native::PackedGemmPlan gemm_plan_for(int64_t m, int64_t n, int64_t k, int64_t layout, int64_t group, bool glu) {
-  const onecopy_native::PackedGemmPlan none{0, 0, 0};
+  const onecopy_native::PackedGemmPlan none{0, 0, 0, 1};
   if (m > kGemmMaxRows) return none;
   const auto plan = onecopy_native::packed_gemm_plan(static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
                                                      static_cast<int>(layout), static_cast<int>(group), glu);
   int device = 0, sms = 0;  // the current device: the caller's guard set it
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  return plan.rows > 0 && 2 * plan.row_blocks * plan.col_blocks >= sms ? plan : none;
+  // CTAs on at least half the SMs, or a quarter where K is split (a 4096-output weight: 64 CTAs, measured faster than
+  // unpacking for cuBLAS; packed_gemm_plan keeps the split's CTAs within one wave)
+  const int64_t ctas = static_cast<int64_t>(plan.row_blocks) * plan.col_blocks * plan.k_splits;
+  return plan.rows > 0 && (plan.k_splits > 1 ? 4 : 2) * ctas >= sms ? plan : none;
 }
 
 // A packed weight's float32 scales (and mins) for [N, K] in groups of `group`: the checks every packed op makes.
@@ -249,7 +252,8 @@ std::tuple<at::Tensor, at::Tensor> run_gemm(const onecopy_native::PackedGemmPlan
 }
 
 // x [M, K] (bfloat16) @ W^T for a tile-ordered packed weight, any M: the packed GEMM where it serves (gemm_plan_for:
-// up to 64 rows, weights of many output blocks), else the weight unpacked to bf16 (one kernel) and cuBLAS.
+// up to 64 rows, weights of many output blocks or, on Hopper, of few with K split), else the weight unpacked to bf16
+// (one kernel) and cuBLAS.
 at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& mins, int64_t layout, int64_t group) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bfloat16 [M, K]");
@@ -334,11 +338,13 @@ std::tuple<at::Tensor, at::Tensor> packed_linear(const at::Tensor& x_in, const a
                     residual->size(1) == n_out, "residual must be bfloat16 [M, N]");
   // Past 8 rows the packed GEMM with the same folds where it serves the weight (H200, int4 g128, the 8B shape's fused
   // gate/up weight with its norm and SwiGLU: 16 rows ~42 us against the GEMV's 59, 32 rows 53 against 104; the LM
-  // head at 32 rows 195 against 355, bf16 258); past kKernelMaxRows (32) the GEMV re-reads each weight tile once per
-  // 32 rows: the unpacked weight and cuBLAS. The batch-invariant decode keeps the GEMV.
+  // head at 32 rows 195 against 355, bf16 258). A weight of few blocks (K split over a cluster) keeps the GEMV up to
+  // 16 rows (H100, int4 g128 at 16 rows, GEMV / GEMM: o 10.7 / 12.8 us, qkv 17.6 / 14.2, down 29.8 / 32.8; at 32
+  // rows the GEMM: 17.1 / 16.5, 29.6 / 18.1, 49.5 / 42.5). Past kKernelMaxRows (32) the GEMV re-reads each weight
+  // tile once per 32 rows: the unpacked weight and cuBLAS. The batch-invariant decode keeps the GEMV.
   if (!invariant && m > 8) {
     const auto plan = gemm_plan_for(m, n, k, layout, group, glu);
-    if (plan.rows > 0)
+    if (plan.rows > 0 && (plan.k_splits == 1 || m > 16))
       return run_gemm(plan, x, qweight, scales, mins, residual, norm_weight, ss, eps, glu, layout, group, true);
   }
   if (!invariant && m > onecopy_native::kKernelMaxRows)

@@ -9,12 +9,17 @@
 // (benchmarks/packed_gemm_cuda.py): the fused gate/up weight at 64 rows 155 -> 79 us (bf16 cuBLAS 64), at 32 rows
 // 106 (GEMV) -> 61; the LM head at 64 rows 676 -> 317 (bf16 283).
 //
-// Where it does not serve (ops.cpp's gemm_plan_for): weights of few 256-feature blocks (4096 or 6144 outputs: 16-24
-// CTAs for 132 SMs). Splitting K over CTAs with a last-CTA reduction of fp32 partials was built and measured slower
-// than unpacking for cuBLAS there (o at 64 rows 53 vs 23.5 us: the 16 reducing CTAs read 512 KB each after the
-// others are done). And at 128 rows and more cuBLAS on the unpacked weight is as fast or faster: with one CTA an SM
-// (8 warps: 2 a scheduler) the MMA chains are latency-bound (ncu: an instruction every 2.6 cycles a scheduler,
-// 40% of stalls on fixed-latency dependencies), ~36% of mma.sync's rate.
+// Weights of few 256-feature blocks (4096 or 6144 outputs: 16-24 CTAs for 132 SMs) split K over a thread-block
+// cluster (Hopper): its CTAs each multiply a share of K for the same outputs, then add their fp32 partial sums
+// through distributed shared memory, in rank order (the same bits every call), each CTA taking the epilogue of
+// 1 / k_splits of the warps' outputs. H100, int4 g128, 4 splits (benchmarks/results/packed_gemm_splits_h100.txt):
+// at 64 rows o 67.7 -> 25.3 us, qkv 67.2 -> 26.6, down 224 -> 65 (bf16 cuBLAS on H200 15 / 21 / 47; unpacking for
+// cuBLAS was 27 / 43 / 105), at 32 rows 16.5 / 18.1 / 42.5 against the GEMV's 17.1 / 29.6 / 49.5; the result is
+// still ~40% of mma.sync's rate (below). An earlier split over plain CTAs reduced through global memory in the last
+// CTA to finish and measured slower than unpacking (o at 64 rows 53 vs 23.5 us: the 16 reducing CTAs read 512 KB
+// each after the others were done). At 128 rows and more cuBLAS on the unpacked weight is as fast or faster:
+// with one CTA an SM (8 warps: 2 a scheduler) the MMA chains are latency-bound (ncu: an instruction every 2.6 cycles
+// a scheduler, 40% of stalls on fixed-latency dependencies), ~36% of mma.sync's rate.
 //
 // Numbers: each weight fragment is dequantized to bf16 with its group's scale (and min) on the way, s q (+ m) in one
 // bf16x2 FMA from the exact integer q (the LOP3 trick of packed_linear.cu, less its 128 bias), rounded once, with s
@@ -23,8 +28,9 @@
 // batch-invariant decode still keeps the GEMV at every row count (one kernel's arithmetic for every batch).
 //
 // A CTA: 8 warps, 16 tiles of 16 output features (two a warp), `8 NT` rows (NT 8-row n-tiles), K in stages of 128
-// values (as many in flight as fit ONECOPY_GEMM_RING_KB). Grid: row blocks x 256-feature blocks.
+// values (as many in flight as fit ONECOPY_GEMM_RING_KB). Grid: row blocks x 256-feature blocks x K splits.
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -66,7 +72,9 @@ struct GemmShape {
   static constexpr int kStageBytes = 16 * (kWords + kScaleWords) + kRows * kXStride * 2;
   static constexpr int kFit = ONECOPY_GEMM_RING_KB * 1024 / kStageBytes;
   static constexpr int kStages = kFit > 8 ? 8 : kFit < 2 ? 2 : kFit;
-  static constexpr int kBytes = kStages * kStageBytes;
+  static constexpr int kPartialBytes = 8 * 2 * NT * 32 * 16;  // a K split's partial sums: [warp][tile][n-tile][lane]
+  static constexpr int kRingBytes = kStages * kStageBytes;
+  static constexpr int kBytes = kRingBytes > kPartialBytes ? kRingBytes : kPartialBytes;
 };
 
 constexpr uint32_t kOne2 = 0x3f803f80u;       // bf16 1, 1
@@ -135,7 +143,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1) packed_gemm_kernel(PackedGemm
   const int tiles_out = n_out / 16;
   const int chunks = p.k / S::kCh;
   const int groups = p.k / GROUP;
-  const int n_st = p.k / kStageK;
+  // This CTA's stages of K: all, or (a cluster of gridDim.z CTAs splitting K) its share; st0 + i is absolute.
+  const int n_st = p.k / kStageK / gridDim.z, st0 = blockIdx.z * n_st;
   // A CTA's 16 weight tiles (local lt): its 16 output tiles, or (glu) 8 gate tiles and their 8 up tiles. Warp w
   // multiplies local tiles lt_of(w, 0) and lt_of(w, 1); live: the tile lies inside the weight.
   const int blk = blockIdx.y;
@@ -201,11 +210,11 @@ __global__ void __launch_bounds__(kGemmThreads, 1) packed_gemm_kernel(PackedGemm
   allow_dependents();
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s)
-    if (s < n_st) load_weights(s, s);
+    if (s < n_st) load_weights(s, st0 + s);
   wait_for_inputs();
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < n_st) load_x(s, s);
+    if (s < n_st) load_x(s, st0 + s);
     copies_commit();
   }
 
@@ -217,8 +226,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1) packed_gemm_kernel(PackedGemm
     __syncthreads();             // everyone's too, and everyone is done with the slot the next copies overwrite
     const int next = it + kStages - 1;
     if (next < n_st) {
-      load_weights(next % kStages, next);
-      load_x(next % kStages, next);
+      load_weights(next % kStages, st0 + next);
+      load_x(next % kStages, st0 + next);
     }
     copies_commit();
     if (!live_a) continue;  // a block's last tiles past N (warp-uniform)
@@ -266,6 +275,37 @@ __global__ void __launch_bounds__(kGemmThreads, 1) packed_gemm_kernel(PackedGemm
     }
   }
   copies_wait<0>();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (gridDim.z > 1) {  // K split over the cluster: warp w's sums are added up, in rank order, by rank w % splits
+    namespace cg = cooperative_groups;
+    const cg::cluster_group cluster = cg::this_cluster();
+    const unsigned splits = gridDim.z;
+    __syncthreads();  // every warp is done with the ring, which holds the partial sums now
+    float4* part = reinterpret_cast<float4*>(smem) + warp * 2 * NT * 32 + lane;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        part[(h * NT + nt) * 32] = make_float4(acc[h][nt][0], acc[h][nt][1], acc[h][nt][2], acc[h][nt][3]);
+    cluster.sync();
+    const bool mine = warp % splits == cluster.block_rank();
+    if (mine)
+      for (unsigned q = 0; q < splits; ++q) {
+        const float4* from = cluster.map_shared_rank(part, q);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const float4 v = from[(h * NT + nt) * 32];
+            const float vs[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[h][nt][e] = q == 0 ? vs[e] : acc[h][nt][e] + vs[e];
+          }
+      }
+    cluster.sync();  // no CTA leaves while another still reads its shared memory
+    if (!mine) return;
+  }
+#endif
 
   // Epilogue: acc[h][nt][e] is feature g + 8 (e >> 1) of tile h's 16, row 8 nt + 2 t + (e & 1) of the block; each
   // output rounded to bf16 as the eager linear, then SwiGLU (glu: h 0 the gate, 1 the up projection of one output)
@@ -339,14 +379,30 @@ const void* kernel_for(int layout, int group, int rows, size_t& smem) {
 }  // namespace
 
 PackedGemmPlan packed_gemm_plan(int m, int n, int k, int layout, int group, bool glu) {
-  PackedGemmPlan plan{0, 0, 0};
+  PackedGemmPlan plan{0, 0, 0, 1};
   if (m < 1 || !packed_linear_supported(layout, group, n, k) || k % kStageK != 0 || (glu && n % 32 != 0)) return plan;
   const int rows = m <= 16 ? 16 : m <= 32 ? 32 : 64;
   size_t smem = 0;
-  if (!smem_fits(kernel_for(layout, group, rows, smem), smem)) return plan;
+  const void* kernel = kernel_for(layout, group, rows, smem);  // sets smem: not in smem_fits' own arguments
+  if (!smem_fits(kernel, smem)) return plan;
   plan.rows = rows;
   plan.row_blocks = (m + rows - 1) / rows;
   plan.col_blocks = glu ? (n / 32 + 7) / 8 : (n / 16 + kTiles - 1) / kTiles;
+  // Fewer blocks than SMs / 2 (Hopper: clusters): split K over up to 4 CTAs a block where the CTAs fit the SMs. H100,
+  // int4 g128 at 64 rows, 1 / 2 / 4 / 8 splits: o 67.7 / 38.9 / 25.3 / 38.5 us, down 224 / 118 / 65 / 78; with 8
+  // (128 CTAs of one SM each, in clusters of 8) or two 32-row blocks of 4 (o 32.7 us) not all clusters are resident
+  // at once (a cluster's CTAs share a GPC).
+  int device = 0, major = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int blocks = plan.row_blocks * plan.col_blocks, stages = k / kStageK;
+  if (major >= 9 && 2 * blocks < sms)
+    for (int s : {4, 2})
+      if (stages % s == 0 && blocks * s <= sms) {
+        plan.k_splits = s;
+        break;
+      }
   return plan;
 }
 
@@ -361,9 +417,10 @@ int packed_gemm_launch(const PackedGemmParams& p, const PackedGemmPlan& plan, cu
     const cudaError_t e = launch_overlapped(norm_rows_kernel, dim3(p.m), 256, 0, stream, p);
     if (e != cudaSuccess) return static_cast<int>(e);
   }
+  if (plan.k_splits < 1 || plan.k_splits > 8 || p.k / kStageK % plan.k_splits != 0) return -1;
   void* args[] = {const_cast<PackedGemmParams*>(&p)};
-  return static_cast<int>(launch_overlapped(kernel, dim3(plan.row_blocks, plan.col_blocks), kGemmThreads, smem,
-                                            stream, args));
+  return static_cast<int>(launch_overlapped(kernel, dim3(plan.row_blocks, plan.col_blocks, plan.k_splits),
+                                            kGemmThreads, smem, stream, args, plan.k_splits));
 }
 
 }  // namespace onecopy_native

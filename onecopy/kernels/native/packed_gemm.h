@@ -34,12 +34,15 @@ struct PackedGemmParams {
   bool glu;
 };
 
-// How a launch covers [M, N']: blocks of `rows` rows (16, 32 or 64) by 256 outputs (128 with glu). `rows` is 0 where
-// the GEMM does not take the weight (K a multiple of 128, the layouts and groups of packed_linear_supported) or its
-// shared memory does not fit this device.
+// How a launch covers [M, N']: blocks of `rows` rows (16, 32 or 64) by 256 outputs (128 with glu), each block's K
+// split over a cluster of `k_splits` CTAs (the plan: 1, 2 or 4, a weight of few blocks on Hopper, so that more SMs
+// read it; a launch takes up to 8, each a whole number of 128-value stages; the partial sums are added through
+// distributed shared memory in a fixed order). `rows` is 0 where the GEMM does not take the weight
+// (K a multiple of 128, the layouts and groups of packed_linear_supported) or its shared memory does not fit.
 struct PackedGemmPlan {
   int rows;
   int row_blocks, col_blocks;
+  int k_splits;
 };
 
 // The plan for these rows and this weight on the current device (rows 0: unsupported, use another path).
