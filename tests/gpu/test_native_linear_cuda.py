@@ -171,7 +171,7 @@ def test_native_packed_gemm_matches_float64_for_many_rows_and_is_deterministic()
     arithmetic), and within 6x of the eager bf16 product on the float32 dequantization; weights of enough
     256-feature blocks for the GEMM (17408 = 68 whole blocks; 17424 = 1089 tiles: its last block one tile, a warp's
     second tile and seven warps' tiles empty) and, on Hopper, weights of few blocks whose K a cluster of CTAs splits
-    (4096 x 4096: 16 blocks, 8 splits of 4 stages; 6144 x 1024: 24 blocks, 4 splits of 2 stages; 4112 x 1024: a last
+    (4096 x 4096: 16 blocks, 4 splits of 8 stages; 6144 x 1024: 24 blocks, 4 splits of 2 stages; 4112 x 1024: a last
     block of one tile), which it takes (not cuBLAS's bits on the unpacked weight), and the paths it leaves to cuBLAS
     on the unpacked weight (few blocks before Hopper; K = 576, not a multiple of the 128-value stage; past 64 rows);
     the same bits on every call. The decode op without folds takes the GEMM past 8 rows where it serves, past 16
@@ -229,8 +229,10 @@ def test_native_packed_linear_takes_the_gemm_with_its_folds_past_8_rows():
     for mode, group, n, k, glu, res, norm in [("int4", 128, 2 * 9232, 1024, True, False, True),  # 577 tiles: 73 blocks
                                                ("int8", 128, 17408, 1024, False, True, True),
                                                ("int4", 32, 17408, 1024, False, True, False)] + (
-            # few blocks, K split over a cluster (Hopper): qkv's norm fold, o's residual; a last block of one tile
-            [("int4", 128, 6144, 1024, False, False, True), ("int8", 64, 4112, 1024, False, True, False)]
+            # few blocks, K split over a cluster (Hopper): qkv's norm fold, o's residual with a last block of one
+            # tile, a SwiGLU weight of 16 blocks
+            [("int4", 128, 6144, 1024, False, False, True), ("int8", 64, 4112, 1024, False, True, False),
+             ("int4", 64, 2 * 2048, 1024, True, False, True)]
             if split else []):
         plain = quantize_weight(torch.randn(n, k) / k ** 0.5, mode, group)
         plain = plain.rebuild(tuple(t.cuda() for t in plain.tensors()))
@@ -262,6 +264,10 @@ def test_native_packed_linear_takes_the_gemm_with_its_folds_past_8_rows():
             assert err <= max(1.5 * err_eager, 8e-3 * float(ref.abs().max())), (mode, group, m, err, err_eager)
             torch.testing.assert_close(ss, out.float().reshape(m, n_out // 16, 16).pow(2).sum(-1), rtol=1e-5,
                                        atol=1e-5)
+            if n < 17408 and res and not norm and m > 16:  # the split GEMM ran (the GEMV's bits differ): its
+                # output and the residual added as the eager op does
+                gemm = native.packed_gemm(x[:m], *op)
+                assert torch.equal(out, (r[:m].float() + gemm.float()).to(torch.bfloat16)), (mode, group, m)
 
 
 def test_native_packed_linear_refuses_misaligned_or_mismatched_scales():

@@ -167,7 +167,7 @@ onecopy_native::PackedGemmPlan gemm_plan_for(int64_t m, int64_t n, int64_t k, in
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   // CTAs on at least half the SMs, or a quarter where K is split (a 4096-output weight: 64 CTAs, measured faster than
-  // unpacking for cuBLAS; packed_gemm_plan keeps the split's CTAs within one wave)
+  // unpacking for cuBLAS; packed_gemm_plan splits only where all the clusters are resident at once)
   const int64_t ctas = static_cast<int64_t>(plan.row_blocks) * plan.col_blocks * plan.k_splits;
   return plan.rows > 0 && (plan.k_splits > 1 ? 4 : 2) * ctas >= sms ? plan : none;
 }

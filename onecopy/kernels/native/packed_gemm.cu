@@ -305,6 +305,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1) packed_gemm_kernel(PackedGemm
     cluster.sync();  // no CTA leaves while another still reads its shared memory
     if (!mine) return;
   }
+#else
+  if (gridDim.z > 1) __trap();  // no clusters before sm_90 (packed_gemm_launch refuses such a plan)
 #endif
 
   // Epilogue: acc[h][nt][e] is feature g + 8 (e >> 1) of tile h's 16, row 8 nt + 2 t + (e & 1) of the block; each
@@ -376,6 +378,27 @@ const void* kernel_for(int layout, int group, int rows, size_t& smem) {
   }
 }
 
+// How many clusters of `splits` CTAs of this kernel the device holds at once (0 where the query fails).
+int resident_clusters(const void* kernel, size_t smem, int splits) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(1, 1, splits);
+  cfg.blockDim = dim3(kGemmThreads);
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = splits;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
+    cudaGetLastError();  // not sticky: clear it
+    return 0;
+  }
+  return n;
+}
+
 }  // namespace
 
 PackedGemmPlan packed_gemm_plan(int m, int n, int k, int layout, int group, bool glu) {
@@ -388,21 +411,23 @@ PackedGemmPlan packed_gemm_plan(int m, int n, int k, int layout, int group, bool
   plan.rows = rows;
   plan.row_blocks = (m + rows - 1) / rows;
   plan.col_blocks = glu ? (n / 32 + 7) / 8 : (n / 16 + kTiles - 1) / kTiles;
-  // Fewer blocks than SMs / 2 (Hopper: clusters): split K over up to 4 CTAs a block where the CTAs fit the SMs. H100,
-  // int4 g128 at 64 rows, 1 / 2 / 4 / 8 splits: o 67.7 / 38.9 / 25.3 / 38.5 us, down 224 / 118 / 65 / 78; with 8
-  // (128 CTAs of one SM each, in clusters of 8) or two 32-row blocks of 4 (o 32.7 us) not all clusters are resident
-  // at once (a cluster's CTAs share a GPC).
+  // Fewer blocks than SMs / 2 (Hopper: clusters): split K over up to 4 CTAs a block where all the clusters are
+  // resident at once (a cluster's CTAs share a GPC: with one CTA an SM fewer clusters fit than SMs / splits). H100,
+  // int4 g128 at 64 rows, 1 / 2 / 4 / 8 splits: o 67.7 / 38.9 / 25.3 / 38.5 us, down 224 / 118 / 65 / 78; two
+  // 32-row blocks of 4 splits (32 clusters) o 32.7 us.
   int device = 0, major = 0, sms = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   const int blocks = plan.row_blocks * plan.col_blocks, stages = k / kStageK;
-  if (major >= 9 && 2 * blocks < sms)
+  if (major >= 9 && 2 * blocks < sms) {
+    allow_smem(kernel, smem);  // the occupancy query counts the opt-in shared memory
     for (int s : {4, 2})
-      if (stages % s == 0 && blocks * s <= sms) {
+      if (stages % s == 0 && blocks <= resident_clusters(kernel, smem, s)) {
         plan.k_splits = s;
         break;
       }
+  }
   return plan;
 }
 
@@ -410,6 +435,11 @@ int packed_gemm_launch(const PackedGemmParams& p, const PackedGemmPlan& plan, cu
   if (plan.rows == 0) return -1;
   if (p.m == 0) return 0;
   if (p.nw != nullptr && (p.ss == nullptr || p.xn == nullptr)) return -1;
+  int device = 0, major = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (plan.k_splits < 1 || plan.k_splits > 8 || p.k / kStageK % plan.k_splits != 0 || (plan.k_splits > 1 && major < 9))
+    return -1;  // a split needs whole stages a CTA, and clusters (sm_90+)
   size_t smem = 0;
   const void* kernel = kernel_for(p.layout, p.group, plan.rows, smem);
   allow_smem(kernel, smem);
@@ -417,7 +447,6 @@ int packed_gemm_launch(const PackedGemmParams& p, const PackedGemmPlan& plan, cu
     const cudaError_t e = launch_overlapped(norm_rows_kernel, dim3(p.m), 256, 0, stream, p);
     if (e != cudaSuccess) return static_cast<int>(e);
   }
-  if (plan.k_splits < 1 || plan.k_splits > 8 || p.k / kStageK % plan.k_splits != 0) return -1;
   void* args[] = {const_cast<PackedGemmParams*>(&p)};
   return static_cast<int>(launch_overlapped(kernel, dim3(plan.row_blocks, plan.col_blocks, plan.k_splits),
                                             kGemmThreads, smem, stream, args, plan.k_splits));
