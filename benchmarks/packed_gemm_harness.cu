@@ -61,7 +61,7 @@ int main(int argc, char** argv) {
         p.ss_out = (float*)ss_out;
       }
       p.m = m; p.n = n; p.k = k; p.group = group; p.layout = layout;
-      refused |= packed_gemm_launch(p, plan, stream) == -1;
+      refused |= packed_gemm_launch(p, plan, stream) != 0;
     });
     if (refused) printf("refused: ");
     printf("%s %s m=%d rows=%d blocks=%dx%dx%d %.2f us %.0f GB/s err=%s\n", layout == kQ8sMma ? "q8s" : "q4a",

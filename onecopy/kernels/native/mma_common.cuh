@@ -93,14 +93,21 @@ __device__ __forceinline__ void dequant_step(const uint4& w, int j, uint32_t (&a
   }
 }
 
+// An attribute of the current device (SM count, compute capability, shared memory limits).
+inline int device_attribute(cudaDeviceAttr attribute) {
+  int device = 0, value = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&value, attribute, device);
+  return value;
+}
+
 // Launch with programmatic stream serialization allowed (sm_90+: see allow_dependents), else plainly; `args` as
-// cudaLaunchKernel takes them (the address of each parameter); `cluster_z` > 1 (sm_90+): clusters of that many
-// CTAs along z.
+// cudaLaunchKernel takes them (the address of each parameter); `cluster_z` > 1: clusters of that many CTAs along z
+// (sm_90+; refused before, where the CTAs would run apart).
 inline cudaError_t launch_overlapped(const void* kernel, dim3 grid, int threads, size_t smem, cudaStream_t stream,
                                      void** args, unsigned cluster_z = 1) {
-  int device = 0, major = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  const int major = device_attribute(cudaDevAttrComputeCapabilityMajor);
+  if (cluster_z > 1 && major < 9) return cudaErrorNotSupported;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(threads);
@@ -129,9 +136,7 @@ cudaError_t launch_overlapped(void (*kernel)(Params), dim3 grid, int threads, si
 // Whether a kernel with this much dynamic shared memory fits a block on this device (the opt-in limit: 227 KB on
 // Hopper, 163 KB on the A100, 99 KB on sm_86 / sm_89 / sm_120), its static shared memory counted.
 inline bool smem_fits(const void* kernel, size_t smem) {
-  int device = 0, optin = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  const int optin = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
   cudaFuncAttributes attr{};
   cudaFuncGetAttributes(&attr, kernel);
   return attr.sharedSizeBytes + smem <= static_cast<size_t>(optin);

@@ -306,7 +306,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1) packed_gemm_kernel(PackedGemm
     if (!mine) return;
   }
 #else
-  if (gridDim.z > 1) __trap();  // no clusters before sm_90 (packed_gemm_launch refuses such a plan)
+  if (gridDim.z > 1) __trap();  // no clusters before sm_90 (launch_overlapped refuses such a launch)
 #endif
 
   // Epilogue: acc[h][nt][e] is feature g + 8 (e >> 1) of tile h's 16, row 8 nt + 2 t + (e & 1) of the block; each
@@ -415,12 +415,9 @@ PackedGemmPlan packed_gemm_plan(int m, int n, int k, int layout, int group, bool
   // resident at once (a cluster's CTAs share a GPC: with one CTA an SM fewer clusters fit than SMs / splits). H100,
   // int4 g128 at 64 rows, 1 / 2 / 4 / 8 splits: o 67.7 / 38.9 / 25.3 / 38.5 us, down 224 / 118 / 65 / 78; two
   // 32-row blocks of 4 splits (32 clusters) o 32.7 us.
-  int device = 0, major = 0, sms = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   const int blocks = plan.row_blocks * plan.col_blocks, stages = k / kStageK;
-  if (major >= 9 && 2 * blocks < sms) {
+  if (device_attribute(cudaDevAttrComputeCapabilityMajor) >= 9 &&
+      2 * blocks < device_attribute(cudaDevAttrMultiProcessorCount)) {
     allow_smem(kernel, smem);  // the occupancy query counts the opt-in shared memory
     for (int s : {4, 2})
       if (stages % s == 0 && blocks <= resident_clusters(kernel, smem, s)) {
@@ -435,11 +432,8 @@ int packed_gemm_launch(const PackedGemmParams& p, const PackedGemmPlan& plan, cu
   if (plan.rows == 0) return -1;
   if (p.m == 0) return 0;
   if (p.nw != nullptr && (p.ss == nullptr || p.xn == nullptr)) return -1;
-  int device = 0, major = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  if (plan.k_splits < 1 || plan.k_splits > 8 || p.k / kStageK % plan.k_splits != 0 || (plan.k_splits > 1 && major < 9))
-    return -1;  // a split needs whole stages a CTA, and clusters (sm_90+)
+  if (plan.k_splits < 1 || plan.k_splits > 8 || p.k / kStageK % plan.k_splits != 0)
+    return -1;  // a split needs whole stages a CTA (and clusters: launch_overlapped refuses one before sm_90)
   size_t smem = 0;
   const void* kernel = kernel_for(p.layout, p.group, plan.rows, smem);
   allow_smem(kernel, smem);

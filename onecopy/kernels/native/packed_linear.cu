@@ -793,9 +793,8 @@ __global__ void unpack_kernel(UnpackParams p) {
 // The persistent grid: as many CTAs as fit at once (occupancy hides the MMA chains' latency; fewer CTAs an SM
 // for a fuller last round measured slower), then no more than the last round of tiles needs.
 inline unsigned persistent_ctas(const void* kernel, int threads, size_t smem, int tiles, int row_blocks) {
-  int device = 0, sms = 0, fit = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int sms = device_attribute(cudaDevAttrMultiProcessorCount);
+  int fit = 0;
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, threads, smem);
   const int slots = fit * sms / row_blocks > 1 ? fit * sms / row_blocks : 1;
   const int rounds = (tiles + slots - 1) / slots;
@@ -836,10 +835,8 @@ struct Plan {
 //   32 rows, 853 -> 687 at 64), else blocks of 32 rows read x from L2 (int8 down, K = 14336: 57 us, not 84).
 template <int L, int GS>
 Plan plan_for(const PackedLinearParams& p) {
-  int device = 0, sms = 0, optin = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  const int sms = device_attribute(cudaDevAttrMultiProcessorCount);
+  const int optin = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
   const int tiles = p.n_out / 16, weight_tiles = (p.glu ? 2 : 1) * tiles;
   const bool int8 = L == kQ8sMma;
   const auto stage_pays = [&](int nt) {
@@ -933,10 +930,7 @@ int packed_linear_launch(const PackedLinearParams& p, cudaStream_t stream) {
 
 // Warps an FP8 CTA: 16 where two such CTAs an SM cover the tiles in one round (a warp's share of a tile halves).
 inline int fp8_warps(int tiles) {
-  int device = 0, sms = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  return tiles <= 2 * sms ? 16 : 8;
+  return tiles <= 2 * device_attribute(cudaDevAttrMultiProcessorCount) ? 16 : 8;
 }
 
 template <int W>
@@ -984,10 +978,8 @@ int quantize_rows_launch(const QuantizeRowsParams& p, cudaStream_t stream) {
     glu_rows_kernel<<<dim3(p.m, (p.k + kThreads * 8 - 1) / (kThreads * 8)), kThreads, 0, stream>>>(p);
     return static_cast<int>(cudaGetLastError());
   }
-  int device = 0, sms = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  return p.m < 2 * sms ? quantize_rows_with<1024>(p, stream) : quantize_rows_with<kThreads>(p, stream);
+  return p.m < 2 * device_attribute(cudaDevAttrMultiProcessorCount) ? quantize_rows_with<1024>(p, stream)
+                                                                      : quantize_rows_with<kThreads>(p, stream);
 }
 
 int unpack_launch(const UnpackParams& p, cudaStream_t stream) {
