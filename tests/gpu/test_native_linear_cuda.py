@@ -65,8 +65,9 @@ def _gemm_weight(plain):
 
 
 def test_native_packed_linear_matches_float64_and_is_batch_invariant():
-    """Every tile-ordered layout and group, 1 to 64 rows, with the folds (norm, SwiGLU, residual): the native
-    op (its kernel up to 32 rows, the packed GEMM past that) against float64 of the float32
+    """Every tile-ordered layout and group, 1 to 96 rows, with the folds (norm, SwiGLU, residual): the native
+    op (its kernel up to 32 rows, the packed GEMM past that where it serves, else and past 64 rows the weight
+    unpacked for cuBLAS between the norm and fold kernels) against float64 of the float32
     dequantization, no looser than the Triton packed kernel on the same weight in its stored order; its sums
     of squares per 16 outputs are the rows' own; with ``invariant`` (the kernel at any batch size) a row's
     bits never depend on the rows beside it."""
@@ -84,7 +85,7 @@ def test_native_packed_linear_matches_float64_and_is_batch_invariant():
             n_out = n // 2 if glu else n
             tiles = kernels.packed_linear_tiles(n_out, glu, LAYOUT_IDS[plain.layout])
             pk = (plain.scales, plain.mins, LAYOUT_IDS[plain.layout], plain.group)
-            for m in (1, 5, 16, 40, 64):
+            for m in (1, 5, 16, 40, 64, 96):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 r = torch.randn(m, n_out, device="cuda", dtype=torch.bfloat16) if res else None
                 g = 1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16)
@@ -96,8 +97,8 @@ def test_native_packed_linear_matches_float64_and_is_batch_invariant():
                 err, err_triton = float((out.double() - ref).abs().max()), float((triton - ref).abs().max())
                 scale = float(ref.abs().max())
                 assert out.shape == (m, n_out) and out.dtype == torch.bfloat16 and ss.shape == (m, n_out // 16)
-                # past the kernel's rows the op (the packed GEMM and ATen folds) rounds as the eager bf16 model does
-                # on the weight as the GEMM dequantizes it: no looser than that model
+                # past the kernel's rows the op (the packed GEMM, or cuBLAS and the fold kernels) rounds as the
+                # eager bf16 model does on the weight as the GEMM dequantizes it: no looser than that model
                 err_eager = float((_eager(x, _gemm_weight(plain), glu, r, nrm).double() - ref).abs().max()) \
                     if m > native.KERNEL_MAX_ROWS else 0.0
                 assert err <= max(1.5 * err_triton, 1.5 * err_eager, 8e-3 * scale), (name, n, k, m, err, err_triton,

@@ -31,7 +31,7 @@ from ...layouts import MMA_LAYOUT_IDS
 
 LIBRARY = "onecopy_native"
 _SOURCES = ("ops.cpp", "decode_q8.cu", "packed_linear.cu", "packed_gemm.cu")
-KERNEL_MAX_ROWS = 32  # kKernelMaxRows: the packed-projection op's GEMV rows (more: packed_gemm + ATen folds)
+KERNEL_MAX_ROWS = 32  # kKernelMaxRows: the packed-projection op's GEMV rows (more: the packed GEMM, or cuBLAS)
 FP8_MAX_ROWS = 8  # kFp8MaxRows: the FP8 GEMV kernel's rows; the op runs cuBLAS's FP8 GEMM for more
 # Whether traced or eager projections may call these kernels (the KV decode has its own switch, the model's
 # ``native_kernels``): the export sets it for the methods it traces (``native_kernels=False`` keeps Triton and
@@ -79,7 +79,7 @@ def packed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     otherwise past 8 rows the packed GEMM with the same folds where it serves the weight (up to 64 rows; weights
     of many output blocks, and on Hopper past 16 rows weights of few, their K split over a cluster of CTAs:
     `packed_gemm`), else the GEMV up to `KERNEL_MAX_ROWS` rows and past that the weight unpacked for cuBLAS's
-    GEMM with the folds as ATen ops."""
+    GEMM between a norm kernel and a kernel of the other folds."""
     load()
     nw, ss, eps = norm if norm is not None else (None, None, 0.0)
     return torch.ops.onecopy_native.packed_linear(x, qweight, scales, mins, residual, nw, ss, eps, glu, layout, group,

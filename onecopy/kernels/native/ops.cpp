@@ -269,7 +269,9 @@ at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& qweight, const at:
 }
 
 // Past kKernelMaxRows rows, where the GEMM does not serve the weight (gemm_plan_for), the weight is unpacked for
-// cuBLAS (packed_gemm) and the folds run as ATen ops with the eager model's roundings.
+// cuBLAS (packed_gemm) between two kernels of packed_gemm.cu with the eager model's roundings: the norm's rows before
+// (packed_gemm's own norm kernel), SwiGLU, the residual and the rows' sums of squares after (fold_rows). These were
+// ATen ops with fp32 temporaries, ~58 kernels a layer of the 8B shape where these four make 14.
 std::tuple<at::Tensor, at::Tensor> packed_linear_by_gemm(const at::Tensor& x, const at::Tensor& qweight,
                                                          const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                                                          const std::optional<at::Tensor>& residual,
@@ -277,24 +279,33 @@ std::tuple<at::Tensor, at::Tensor> packed_linear_by_gemm(const at::Tensor& x, co
                                                          const std::optional<at::Tensor>& ss, double eps, bool glu,
                                                          int64_t layout, int64_t group) {
   const int64_t m = x.size(0), k = x.size(1), n_out = glu ? qweight.size(0) / 2 : qweight.size(0);
-  at::Tensor xin = x;
-  if (norm_weight.has_value()) {  // the eager RMSNorm's roundings: x * rstd, then times the norm's weight
-    const auto rstd = at::rsqrt(ss->sum({1}, true) / static_cast<double>(k) + eps);
-    const auto xn = (x.to(at::kFloat) * rstd).to(at::kBFloat16);
-    xin = (xn.to(at::kFloat) * norm_weight->to(at::kFloat)).to(at::kBFloat16);
+  const auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  std::vector<at::Tensor> keep;
+  at::Tensor xin = x;  // x's rows are copyable_rows: 16-byte aligned, strides multiples of 8
+  if (norm_weight.has_value()) {
+    onecopy_native::PackedGemmParams np{};
+    set_operands(np, x, qweight, scales, mins, std::nullopt, norm_weight, ss, eps, keep);
+    xin = at::empty({m, k}, x.options());
+    np.xn = xin.data_ptr();
+    np.m = static_cast<int>(m); np.k = static_cast<int>(k);
+    check_launch(onecopy_native::norm_rows_launch(np, stream), "norm_rows");
   }
-  const auto acc = packed_gemm(xin, qweight, scales, mins, layout, group);  // bf16, as the eager linear
-  at::Tensor y;
-  if (glu) {  // silu(gate) * up, each rounded to bf16 as the kernel (and the eager ops) do
-    const auto g = acc.slice(1, 0, n_out).to(at::kFloat);
-    const auto up = acc.slice(1, n_out).to(at::kFloat);
-    y = ((g * at::sigmoid(g)).to(at::kBFloat16).to(at::kFloat) * up).to(at::kBFloat16);
-  } else {
-    y = acc;
-  }
-  if (residual.has_value()) y = (residual->to(at::kFloat) + y.to(at::kFloat)).to(at::kBFloat16);
-  auto ss_out = y.to(at::kFloat).pow(2).reshape({m, n_out / 16, 16}).sum(-1);
-  return {y.contiguous(), ss_out.contiguous()};
+  const auto acc = packed_gemm(xin, qweight, scales, mins, layout, group).contiguous();  // bf16, as the eager linear
+  const bool fold = glu || residual.has_value();
+  at::Tensor res = residual.has_value() ? copyable_rows(*residual) : at::Tensor();
+  auto out = fold ? at::empty({m, n_out}, x.options()) : acc;
+  auto ss_out = at::empty({m, n_out / 16}, x.options().dtype(at::kFloat));
+  onecopy_native::FoldRowsParams fp{};
+  fp.acc = acc.data_ptr();
+  fp.stride_acc = acc.stride(0);
+  fp.res = residual.has_value() ? res.data_ptr() : nullptr;
+  fp.stride_r = residual.has_value() ? res.stride(0) : 0;
+  fp.out = fold ? out.data_ptr() : nullptr;
+  fp.stride_o = out.stride(0);
+  fp.ss_out = ss_out.data_ptr<float>();
+  fp.m = static_cast<int>(m); fp.n_out = static_cast<int>(n_out); fp.glu = glu;
+  check_launch(onecopy_native::fold_rows_launch(fp, stream), "fold_rows");
+  return {out, ss_out};
 }
 
 // The decode step's packed projection (packed_linear.cu): out [M, N'] and its rows' sums of squares per 16

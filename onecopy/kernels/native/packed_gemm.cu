@@ -97,7 +97,7 @@ __device__ __forceinline__ void dequant_scaled(const uint4& w, int j, const uint
 }
 
 // The RMSNorm of x's rows before a folded projection, with the eager model's roundings: xn = bf16(bf16(x * rstd) * w),
-// rstd = rsqrtf(sum of the row's partial sums of squares / K + eps) (the ATen fold's ops in one kernel; its rstd may
+// rstd = rsqrtf(sum of the row's partial sums of squares / K + eps) (the eager norm's ops in one kernel; its rstd may
 // differ from ATen's in the last bit: sum order, rsqrtf). One CTA a row.
 __global__ void __launch_bounds__(256) norm_rows_kernel(PackedGemmParams p) {
   __shared__ float total;
@@ -124,6 +124,58 @@ __global__ void __launch_bounds__(256) norm_rows_kernel(PackedGemmParams p) {
     for (int i = 0; i < 4; ++i)
       o[i] = pack_bf16(round_bf16(lo_f(vs[i]) * rstd) * lo_f(ws[i]), round_bf16(hi_f(vs[i]) * rstd) * hi_f(ws[i]));
     *reinterpret_cast<uint4*>(xn + k8) = make_uint4(o[0], o[1], o[2], o[3]);
+  }
+}
+
+// Sixteen bfloat16 values from 16-byte aligned memory, as floats.
+__device__ __forceinline__ void load16(const __nv_bfloat16* from, float (&v)[16]) {
+  const uint4 a = *reinterpret_cast<const uint4*>(from), b = *reinterpret_cast<const uint4*>(from + 8);
+  const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    v[2 * i] = lo_f(w[i]);
+    v[2 * i + 1] = hi_f(w[i]);
+  }
+}
+
+// The folds after cuBLAS's product of the unpacked weight (FoldRowsParams), one thread a row's 16 outputs: what were
+// ATen ops with fp32 temporaries (8 kernels for SwiGLU, 4 for the residual, 3 for the sums), with their roundings:
+// silu(g) = g * (1 / (1 + exp(-g))) in fp32 (ATen's sigmoid, then the product) rounded to bf16, times up rounded; the
+// residual added in fp32 and rounded. The sums of squares run in another order than ATen's reduction did (they feed
+// the next norm's rstd, which packed_gemm's epilogue sums in its own order too).
+__global__ void __launch_bounds__(256) fold_rows_kernel(FoldRowsParams p) {
+  const int i = blockIdx.x * 256 + threadIdx.x, row = blockIdx.y, groups = p.n_out / 16;
+  allow_dependents();
+  wait_for_inputs();
+  if (i >= groups) return;
+  float v[16];
+  const __nv_bfloat16* acc = static_cast<const __nv_bfloat16*>(p.acc) + row * p.stride_acc + 16 * i;
+  load16(acc, v);
+  if (p.glu) {
+    float up[16];
+    load16(acc + p.n_out, up);
+#pragma unroll
+    for (int e = 0; e < 16; ++e) v[e] = round_bf16(round_bf16(v[e] * (1.f / (1.f + expf(-v[e])))) * up[e]);
+  }
+  if (p.res != nullptr) {
+    float r[16];
+    load16(static_cast<const __nv_bfloat16*>(p.res) + row * p.stride_r + 16 * i, r);
+#pragma unroll
+    for (int e = 0; e < 16; ++e) v[e] = round_bf16(r[e] + v[e]);
+  }
+  if (p.out != nullptr) {
+    uint32_t o[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) o[j] = pack_bf16(v[2 * j], v[2 * j + 1]);
+    uint4* to = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.out) + row * p.stride_o + 16 * i);
+    to[0] = make_uint4(o[0], o[1], o[2], o[3]);
+    to[1] = make_uint4(o[4], o[5], o[6], o[7]);
+  }
+  if (p.ss_out != nullptr) {
+    float s = 0.f;
+#pragma unroll
+    for (int e = 0; e < 16; ++e) s = fmaf(v[e], v[e], s);
+    p.ss_out[static_cast<int64_t>(row) * groups + i] = s;
   }
 }
 
@@ -438,12 +490,25 @@ int packed_gemm_launch(const PackedGemmParams& p, const PackedGemmPlan& plan, cu
   const void* kernel = kernel_for(p.layout, p.group, plan.rows, smem);
   allow_smem(kernel, smem);
   if (p.nw != nullptr) {  // the norm's rows first, into xn
-    const cudaError_t e = launch_overlapped(norm_rows_kernel, dim3(p.m), 256, 0, stream, p);
-    if (e != cudaSuccess) return static_cast<int>(e);
+    const int e = norm_rows_launch(p, stream);
+    if (e != 0) return e;
   }
   void* args[] = {const_cast<PackedGemmParams*>(&p)};
   return static_cast<int>(launch_overlapped(kernel, dim3(plan.row_blocks, plan.col_blocks, plan.k_splits),
                                             kGemmThreads, smem, stream, args, plan.k_splits));
+}
+
+int norm_rows_launch(const PackedGemmParams& p, cudaStream_t stream) {
+  if (p.m == 0) return 0;
+  if (p.nw == nullptr || p.ss == nullptr || p.xn == nullptr || p.k % 8 != 0) return -1;
+  return static_cast<int>(launch_overlapped(norm_rows_kernel, dim3(p.m), 256, 0, stream, p));
+}
+
+int fold_rows_launch(const FoldRowsParams& p, cudaStream_t stream) {
+  if (p.m == 0) return 0;
+  if (p.n_out % 16 != 0 || p.m > 65535 || (p.out == nullptr && (p.glu || p.res != nullptr))) return -1;
+  const int groups = p.n_out / 16;
+  return static_cast<int>(launch_overlapped(fold_rows_kernel, dim3((groups + 255) / 256, p.m), 256, 0, stream, p));
 }
 
 }  // namespace onecopy_native

@@ -50,4 +50,27 @@ PackedGemmPlan packed_gemm_plan(int m, int n, int k, int layout, int group, bool
 // 0, or the CUDA error of the launch (-1: a plan of no rows).
 int packed_gemm_launch(const PackedGemmParams& p, const PackedGemmPlan& plan, cudaStream_t stream);
 
+// Past the GEMM's rows the op unpacks the weight for cuBLAS; these two kernels are its folds around that GEMM.
+// The RMSNorm of x's rows into `xn` alone (the first kernel of packed_gemm_launch where `nw` is set): reads x,
+// stride_x, nw, ss, stride_ss, p_in, eps, m, k. 0, or the CUDA error of the launch.
+int norm_rows_launch(const PackedGemmParams& p, cudaStream_t stream);
+
+// The folds after the linear: `acc` [M, N] (bfloat16, the linear's rounded output) -> `out` [M, N'] with SwiGLU
+// (`glu`: N' = N / 2, the up columns after the gate columns) and the residual add `res` [M, N'] (optional), and each
+// row's sum of squares per 16 outputs into `ss_out` [M, N' / 16]; each step rounded to bfloat16 as the eager ops
+// round. `out` nullptr: neither glu nor res, only the sums of `acc` itself. acc, res, out: rows 16-byte aligned
+// (strides in elements, multiples of 8); N' a multiple of 16.
+struct FoldRowsParams {
+  const void* acc;
+  int64_t stride_acc;
+  const void* res;
+  int64_t stride_r;
+  void* out;
+  int64_t stride_o;
+  float* ss_out;
+  int m, n_out;
+  bool glu;
+};
+int fold_rows_launch(const FoldRowsParams& p, cudaStream_t stream);
+
 }  // namespace onecopy_native
