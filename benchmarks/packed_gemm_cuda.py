@@ -1,7 +1,8 @@
 """Packed weights times many rows on CUDA (a wide decode step, a prefill chunk), per Llama-3-8B projection:
 the native packed GEMM (`kernels.native.packed_gemm`, kernels/native/packed_gemm.cu) against what ran before it
 (the weight unpacked to bf16 every call, then cuBLAS), the GEMV kernel forced to these rows (batch-invariant
-mode), bf16 cuBLAS, and torch's tinygemm (``aten._weight_int4pack_mm``) on the same int4 values, in one run.
+mode), on the H100 / H200 the warpgroup-MMA kernel (`kernels.native.packed_wgmma`), bf16 cuBLAS, and torch's
+tinygemm (``aten._weight_int4pack_mm``) on the same int4 values, in one run.
 
 As benchmarks/native_linear_cuda.py: cold weights (copies enough for 512 MB), one CUDA graph replaying the calls,
 microseconds per call. Plain products (no folds).
@@ -66,6 +67,8 @@ def main() -> None:
                 nb, ps = weights[name]
                 ops = [(c.qweight, c.scales, c.mins, MMA_LAYOUT_IDS[c.layout], c.group) for c in ps]
                 variants[f"{name} gemm"] = (nb, [functools.partial(native.packed_gemm, x, *o) for o in ops])
+                if torch.cuda.get_device_capability() == (9, 0):  # the warpgroup-MMA kernel (packed_wgmma.cu)
+                    variants[f"{name} wgmma"] = (nb, [functools.partial(native.packed_wgmma, x, *o) for o in ops])
                 variants[f"{name} unpack+cuBLAS"] = (nb, [
                     (lambda o: lambda: F.linear(x, native.unpack(*o, torch.bfloat16)))(o) for o in ops])
                 if m <= 64:

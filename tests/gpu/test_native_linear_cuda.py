@@ -212,6 +212,48 @@ def test_native_packed_gemm_matches_float64_for_many_rows_and_is_deterministic()
                                                atol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="wgmma: compute capability 9.0 (H100 / H200)")
+def test_native_packed_wgmma_matches_float64_on_the_weight_as_it_dequantizes_it():
+    """The warpgroup-MMA kernel (kernels/native/packed_wgmma.cu), every layout and group, 1 to 1024 rows (64- and
+    128-row blocks, a partial last block): within two bf16 ulps of float64 on the weight as it dequantizes it (s and m
+    in bf16, s q + m rounded once to bf16, as the packed GEMM), and within 6x of the eager bf16 product on the
+    float32 dequantization; the same bits on every call; shapes it refuses are refused by name. What it checks first
+    when it fails: an exactly representable case (power-of-two scales, x one-hot) names the (feature, k) read wrong."""
+    from onecopy.kernels import native
+    from onecopy.layouts import MMA_LAYOUT_IDS
+    from onecopy.models.packed import dequantize
+
+    torch.manual_seed(3)
+    for n, k in ((256, 1024), (4096, 4096), (1024, 14336)):
+        for name, (p, plain) in _weights(n, k).items():
+            op = (p.qweight, p.scales, p.mins, MMA_LAYOUT_IDS[p.layout], p.group)
+            exact, as_read = dequantize(plain), _gemm_weight(plain)
+            if n == 256:  # x one-hot: output column j of row i is the weight's (j, i) as read (to an ulp: the
+                # reference rounds s q + m twice, through float32)
+                eye = torch.eye(128, k, device="cuda", dtype=torch.bfloat16)
+                got = native.packed_wgmma(eye, *op).float()
+                want = as_read[:, :128].t().float()
+                bad = ((got - want).abs() > want.abs() * 2 ** -7).nonzero()
+                assert bad.numel() == 0, (name, "first wrong (k, feature):", bad[:4].tolist())
+            for m in ((1, 40, 64, 65, 200, 1024) if n == 256 else (64, 128, 300)):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                out = native.packed_wgmma(x, *op)
+                assert out.shape == (m, n) and out.dtype == torch.bfloat16, (name, n, k, m)
+                ref_read = x.double() @ as_read.double().t()
+                err_read = float((out.double() - ref_read).abs().max())
+                assert err_read <= 8e-3 * float(ref_read.abs().max()), (name, n, k, m, err_read)
+                ref = x.double() @ exact.double().t()
+                err = float((out.double() - ref).abs().max())
+                err_eager = float((F.linear(x, exact.to(torch.bfloat16)).double() - ref).abs().max())
+                assert err <= 6 * err_eager, (name, n, k, m, err, err_eager)
+                assert torch.equal(native.packed_wgmma(x, *op), out), (name, n, k, m)
+    p, _ = _weights(4112, 1024)["q4a g128"]
+    with pytest.raises(RuntimeError, match="N a multiple of 128"):
+        native.packed_wgmma(torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16), p.qweight, p.scales, p.mins,
+                            MMA_LAYOUT_IDS[p.layout], p.group)
+
+
 def test_native_packed_linear_takes_the_gemm_with_its_folds_past_8_rows():
     """9 to 64 rows of a weight the packed GEMM serves (enough output blocks, the SwiGLU one's last block holding one
     gate tile of 8; on Hopper also few blocks, K split over a cluster): the decode op runs the GEMM with its folds

@@ -30,7 +30,7 @@ import torch
 from ...layouts import MMA_LAYOUT_IDS
 
 LIBRARY = "onecopy_native"
-_SOURCES = ("ops.cpp", "decode_q8.cu", "packed_linear.cu", "packed_gemm.cu")
+_SOURCES = ("ops.cpp", "decode_q8.cu", "packed_linear.cu", "packed_gemm.cu", "packed_wgmma.cu")
 KERNEL_MAX_ROWS = 32  # kKernelMaxRows: the packed-projection op's GEMV rows (more: the packed GEMM, or cuBLAS)
 FP8_MAX_ROWS = 8  # kFp8MaxRows: the FP8 GEMV kernel's rows; the op runs cuBLAS's FP8 GEMM for more
 # Whether traced or eager projections may call these kernels (the KV decode has its own switch, the model's
@@ -95,6 +95,15 @@ def packed_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mi
     return torch.ops.onecopy_native.packed_gemm(x, qweight, scales, mins, layout, group)
 
 
+def packed_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, layout: int,
+                 group: int) -> torch.Tensor:
+    """x [M, K] (bfloat16) times a tile-ordered packed weight [N, K] on Hopper's warpgroup MMA (`packed_wgmma.cu`:
+    compute capability 9.0, N and K multiples of 128), the weight dequantized in registers, never written in bf16.
+    Not yet taken by the models (the GPU tests and benchmarks call it while it is measured)."""
+    load()
+    return torch.ops.onecopy_native.packed_wgmma(x, qweight, scales, mins, layout, group)
+
+
 def unpack(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, layout: int, group: int,
            dtype: torch.dtype) -> torch.Tensor:
     """A tile-ordered packed weight as a float [N, K] in ``dtype`` (`models.packed.dequantize`'s arithmetic)."""
@@ -155,10 +164,11 @@ def load() -> None:
 
     here = Path(__file__).parent
     major, minor = torch.cuda.get_device_capability()
-    arch = f"{major}{minor}"
+    suffix = "a" if (major, minor) == (9, 0) else ""  # sm_90a: the H100 / H200's wgmma (packed_wgmma.cu)
+    arch = f"{major}{minor}{suffix}"
     cxx = pick_cxx()
     try:
-        with build_environment(CXX=cxx, NVCC_CCBIN=cxx, TORCH_CUDA_ARCH_LIST=f"{major}.{minor}"):
+        with build_environment(CXX=cxx, NVCC_CCBIN=cxx, TORCH_CUDA_ARCH_LIST=f"{major}.{minor}{suffix}"):
             build(name=f"{LIBRARY}_sm{arch}", sources=[str(here / s) for s in _SOURCES], is_python_module=False,
                   extra_cflags=["-O3"], extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"],
                   extra_include_paths=[str(here)], verbose=False)
@@ -189,6 +199,10 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0], n_out)), x.new_empty((x.shape[0], n_out // 16), dtype=torch.float32)
 
     @torch.library.register_fake(f"{LIBRARY}::packed_gemm")
+    def _(x, qweight, scales, mins, layout, group):
+        return x.new_empty((x.shape[0], qweight.shape[0]))
+
+    @torch.library.register_fake(f"{LIBRARY}::packed_wgmma")
     def _(x, qweight, scales, mins, layout, group):
         return x.new_empty((x.shape[0], qweight.shape[0]))
 

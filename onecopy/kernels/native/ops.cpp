@@ -268,6 +268,37 @@ at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& qweight, const at:
                               layout, group, false));
 }
 
+// x [M, K] (bfloat16) @ W^T on Hopper's warpgroup MMA (packed_wgmma.cu), the weight dequantized in registers: for the
+// GPU tests and benchmarks while it is measured; the model path still unpacks past 64 rows (packed_gemm).
+at::Tensor packed_wgmma(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& mins, int64_t layout, int64_t group) {
+  TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x must be bfloat16 [M, K]");
+  check_scales(x_in, qweight, scales, mins, layout, group);
+  const auto x = copyable_rows(x_in);
+  const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0);
+  c10::cuda::CUDAGuard guard(x.device());
+  TORCH_CHECK(onecopy_native::packed_wgmma_supported(static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
+                                                     static_cast<int>(layout), static_cast<int>(group)),
+              "packed_wgmma: needs compute capability 9.0 (sm_90a), N a multiple of 128 and K of 128, got [", n, ", ",
+              k, "]");
+  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && aligned16(qweight) && aligned16(scales) &&
+                  (!mins.has_value() || (mins->is_contiguous() && aligned16(*mins))),
+              "packed_wgmma: qweight, scales and mins must be contiguous and 16-byte aligned");
+  auto out = at::empty({m, n}, x.options());
+  onecopy_native::PackedGemmParams p{};
+  p.x = x.data_ptr();
+  p.stride_x = x.stride(0);
+  p.w = qweight.data_ptr();
+  p.s = scales.data_ptr<float>();
+  p.mn = mins.has_value() ? mins->data_ptr<float>() : nullptr;
+  p.out = out.data_ptr();
+  p.stride_o = out.stride(0);
+  p.m = static_cast<int>(m); p.n = static_cast<int>(n); p.k = static_cast<int>(k);
+  p.group = static_cast<int>(group); p.layout = static_cast<int>(layout);
+  check_launch(onecopy_native::packed_wgmma_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "packed_wgmma");
+  return out;
+}
+
 // Past kKernelMaxRows rows, where the GEMM does not serve the weight (gemm_plan_for), the weight is unpacked for
 // cuBLAS (packed_gemm) between two kernels of packed_gemm.cu with the eager model's roundings: the norm's rows before
 // (packed_gemm's own norm kernel), SwiGLU, the residual and the rows' sums of squares after (fold_rows). These were
@@ -470,6 +501,7 @@ TORCH_LIBRARY(onecopy_native, m) {
         "Tensor? ss, float eps, bool glu, int layout, int group, bool invariant=False) -> (Tensor, Tensor)");
   m.def("unpack_weight(Tensor qweight, Tensor scales, Tensor? mins, int layout, int group, bool half) -> Tensor");
   m.def("packed_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int layout, int group) -> Tensor");
+  m.def("packed_wgmma(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int layout, int group) -> Tensor");
   m.def("fp8_linear(Tensor x, Tensor w, Tensor ws) -> Tensor");
   m.def("fp8_glu_linear(Tensor x, Tensor w, Tensor ws) -> Tensor");
 }
@@ -480,6 +512,7 @@ TORCH_LIBRARY_IMPL(onecopy_native, CUDA, m) {
   m.impl("packed_linear", &packed_linear);
   m.impl("unpack_weight", &unpack_weight);
   m.impl("packed_gemm", &packed_gemm);
+  m.impl("packed_wgmma", &packed_wgmma);
   m.impl("fp8_linear", &fp8_linear);
   m.impl("fp8_glu_linear", &fp8_glu_linear);
 }

@@ -73,4 +73,10 @@ struct FoldRowsParams {
 };
 int fold_rows_launch(const FoldRowsParams& p, cudaStream_t stream);
 
+// packed_wgmma.cu (sm_90a, the H100 / H200): y = x @ W^T for any rows on the warpgroup MMA, the weight dequantized in
+// registers (no bf16 copy of it); PackedGemmParams' x, w, s, mn, out and sizes, no folds (nw, res, glu, ss_out unset).
+// Supported: compute capability 9.0, N a multiple of 128, K of 128, packed_linear_supported's layouts and groups.
+bool packed_wgmma_supported(int m, int n, int k, int layout, int group);
+int packed_wgmma_launch(const PackedGemmParams& p, cudaStream_t stream);  // 0, -1 (unsupported) or a CUDA error
+
 }  // namespace onecopy_native

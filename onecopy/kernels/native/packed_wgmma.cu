@@ -1,0 +1,319 @@
+// Packed int4 / int8 weights times many rows on Hopper's warpgroup MMA (wgmma, sm_90a): the weight dequantized in
+// registers as wgmma's A, x's rows read by the tensor cores from shared memory as B, so that past 64 rows and in
+// prefill the weight is never written out in bf16 (the op unpacks it for cuBLAS there: at 1k rows 6.5 ms of an 8B
+// model's 31.5 ms TTFT on the H100, 95% of copy bandwidth). Design and sources: docs/research/wgmma_packed_gemm.md.
+// First version, not yet run on a GPU: the op `packed_wgmma` exposes it for the GPU tests and benchmarks; the model
+// path does not take it until it is measured.
+//
+// Why it fits the tile order: wgmma's register A for m64nNk16 is, for warp w of the warpgroup, rows 16w..16w+15 in
+// mma.sync m16n8k16's A layout, which is what a lane's 16-byte fragment unpacks into (dequant_step) -- but for the
+// tile order's K permutation: a lane holds k = 4t..4t+3 of each 16 (the MMA's slots 2t, 2t+1, 2t+8, 2t+9), which the
+// GEMV matches with one 8-byte load of x, while wgmma reads B in the MMA's own k order. So each lane rebuilds its
+// fragment words from the words of lanes 4g + t/2 and 4g + 2 + t/2 (one byte permute a word; the same selector for
+// int4 and int8), and x stays in its natural order in shared memory.
+//
+// A CTA: 2 warpgroups (8 warps, warp w one 16-feature tile: 128 outputs), NB rows of x (64 or 128: wgmma's N), K in
+// stages of 128 values through a cp.async ring (weights, scales, x in two 64-K boxes of NB rows x 128 bytes with the
+// 128-byte swizzle). A stage: each warp's 8 A fragments (its tile, 8 k16 steps) dequantized with their groups' scale
+// and min (s q + m in one bf16x2 FMA, s and m rounded to bf16 first: packed_gemm's arithmetic), one wgmma a step for
+// its warpgroup's 64 outputs, then wait. No K split, no folds (the op's norm and fold kernels run around it).
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "mma_common.cuh"
+#include "packed_gemm.h"
+#include "packed_linear.h"
+
+namespace onecopy_native {
+
+namespace {
+
+using namespace mma;
+
+constexpr int kWgThreads = 256;  // 2 warpgroups
+constexpr int kWgTiles = 8;      // 16-feature tiles a CTA (one a warp): 128 outputs
+constexpr int kWgStageK = 128;   // K values a stage
+#ifndef ONECOPY_WGMMA_RING_KB
+#define ONECOPY_WGMMA_RING_KB 200
+#endif
+
+// wgmma and the sm_90a-only instructions: compiled for sm_90a alone (the library builds Hopper for sm_90a); any
+// other target gets a kernel that traps, and packed_wgmma_launch refuses other devices before that.
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define ONECOPY_WGMMA 1
+#endif
+
+template <int L, int GROUP, int NB>
+struct WgShape {
+  static constexpr int kCh = L == kQ8sMma ? 32 : 64;                   // values a chunk of the tile order
+  static constexpr int kChunks = kWgStageK / kCh;                      // 2 (int4) or 4 (int8) a stage
+  static constexpr int kSteps = kCh / 16;                              // k16 steps a chunk
+  static constexpr int kXBytes = 2 * NB * 128;                         // x: two 64-K boxes of NB rows x 128 B
+  static constexpr int kWords = kWgTiles * kChunks * 32;               // 16-byte weight words
+  static constexpr int kGroups = kWgStageK / GROUP;                    // scale groups a stage
+  static constexpr int kScaleRows = L == kQ4aMma ? 2 : 1;              // scales (and mins)
+  static constexpr int kScaleWords = kScaleRows * kWgTiles * kGroups * 4;
+  static constexpr int kRaw = kXBytes + 16 * (kWords + kScaleWords);
+  static constexpr int kStageBytes = (kRaw + 1023) / 1024 * 1024;     // each stage's x 1024-byte aligned
+  static constexpr int kFit = ONECOPY_WGMMA_RING_KB * 1024 / kStageBytes;
+  static constexpr int kStages = kFit > 6 ? 6 : kFit < 2 ? 2 : kFit;
+  static constexpr int kBytes = kStages * kStageBytes + 1024;          // + room to align the base to 1024
+};
+
+#ifdef ONECOPY_WGMMA
+// The shared-memory descriptor of a k16 step of B in a 128-byte-swizzled box: start address, LBO 1 (unused with a
+// swizzle), SBO 1024 bytes (the next 8 rows), layout 1 (128B); the box starts 1024-byte aligned (base offset 0).
+__device__ __forceinline__ uint64_t b_desc(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) |
+         (1ull << 62);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Ordinary and cp.async writes to shared memory made visible to the async proxy (wgmma's reads of B).
+__device__ __forceinline__ void proxy_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// The accumulators pinned in place around the asynchronous MMAs (CUTLASS's warpgroup_fence_operand).
+template <int N>
+__device__ __forceinline__ void pin(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// D[64 x N] += A[64 x 16] (registers) * B[16 x N] (shared, K-major), N = 64 or 128.
+__device__ __forceinline__ void wgmma_step(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+}
+__device__ __forceinline__ void wgmma_step(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+}
+#endif
+
+constexpr uint32_t kOne2 = 0x3f803f80u;       // bf16 1, 1
+constexpr uint32_t kNegZero2 = 0x80008000u;   // bf16 -0, -0
+constexpr uint32_t kMinus128 = 0xc300c300u;   // bf16 -128
+constexpr uint32_t kMinus136 = 0xc308c308u;   // bf16 -136
+
+// A fragment register r of k16 step j of a chunk as bf16 s q (+ m) (packed_gemm's dequant_scaled).
+template <int L>
+__device__ __forceinline__ void dequant_wg(const uint4& w, int j, uint32_t s0, uint32_t s1, uint32_t m0, uint32_t m1,
+                                           uint32_t (&a)[4]) {
+  dequant_step<L>(w, j, a);
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    uint32_t q = a[r];
+    if constexpr (L == kQ4aMma) q = fma2(q, kOne2, kMinus128);
+    else if constexpr (L == kQ4zMma) q = fma2(q, kOne2, kMinus136);
+    a[r] = fma2(q, r & 1 ? s1 : s0, L == kQ4aMma ? (r & 1 ? m1 : m0) : kNegZero2);
+  }
+}
+
+template <int L, int GROUP, int NB>
+__global__ void __launch_bounds__(kWgThreads, 1) packed_wgmma_kernel(PackedGemmParams p) {
+  using S = WgShape<L, GROUP, NB>;
+  static_assert(S::kChunks * S::kSteps == 8 && NB % 64 == 0, "a stage is 8 k16 steps; NB a multiple of 64");
+#ifdef ONECOPY_WGMMA
+  constexpr int kStages = S::kStages;
+  constexpr int kWPer = S::kWords / kWgThreads;
+  constexpr int kSPer = (S::kScaleWords + kWgThreads - 1) / kWgThreads;
+  constexpr int kXPer = NB * 16 / kWgThreads;  // 16-byte pieces of x a stage: NB rows x 16
+  constexpr int kPerTile = S::kGroups * 4;
+  extern __shared__ uint4 smem_raw[];
+  const uint32_t raw_at = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t base_at = (raw_at + 1023) & ~1023u;
+  unsigned char* base = reinterpret_cast<unsigned char*>(smem_raw) + (base_at - raw_at);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * NB, blk = blockIdx.y;
+  const int chunks = p.k / S::kCh, groups = p.k / GROUP, n_st = p.k / kWgStageK;
+
+  // Each thread's copies (as packed_gemm's): weight words [tile][chunk][lane], scale rows [scales, mins][tile][group]
+  // [16], x pieces (row r, 16-byte piece c of the stage's 128 K) to the 128-byte-swizzled boxes.
+  const uint4* w = static_cast<const uint4*>(p.w);
+  uint32_t w_off[kWPer];
+#pragma unroll
+  for (int c = 0; c < kWPer; ++c) {
+    const int i = tid + c * kWgThreads, lt = i / (S::kChunks * 32);
+    w_off[c] = static_cast<uint32_t>(kWgTiles * blk + lt) * chunks * 32 + i % (S::kChunks * 32);
+  }
+  const float* s_src[kSPer];
+  uint32_t s_live = 0;
+#pragma unroll
+  for (int c = 0; c < kSPer; ++c) {
+    const int i = tid + c * kWgThreads, which = i / (kWgTiles * kPerTile), j = i % (kWgTiles * kPerTile);
+    s_src[c] = (which ? p.mn : p.s) + static_cast<int64_t>(kWgTiles * blk + j / kPerTile) * groups * 16 + 4 * (j % kPerTile);
+    s_live |= i < S::kScaleWords ? 1u << c : 0u;
+  }
+  const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(p.x) + static_cast<int64_t>(row0) * p.stride_x;
+  const int mb = min(p.m - row0, NB);
+  int x_src[kXPer];
+  uint32_t x_dst[kXPer], x_live = 0;
+#pragma unroll
+  for (int c = 0; c < kXPer; ++c) {
+    const int i = tid + c * kWgThreads, r = i / 16, piece = i % 16, half = piece / 8, c8 = piece % 8;
+    x_src[c] = static_cast<int>(r * p.stride_x) + 8 * piece;
+    x_dst[c] = half * NB * 128 + 128 * r + 16 * (c8 ^ (r & 7));
+    x_live |= r < mb ? 1u << c : 0u;
+  }
+  const auto load_weights = [&](int slot, int st) {
+    const uint32_t at = base_at + slot * S::kStageBytes + S::kXBytes + 16 * tid;
+#pragma unroll
+    for (int c = 0; c < kWPer; ++c) copy_async16(at + 16 * c * kWgThreads, w + w_off[c] + st * S::kChunks * 32);
+#pragma unroll
+    for (int c = 0; c < kSPer; ++c)
+      if (s_live >> c & 1) copy_async16(at + 16 * (S::kWords + c * kWgThreads), s_src[c] + st * S::kGroups * 16);
+  };
+  const auto load_x = [&](int slot, int st) {
+    const uint32_t at = base_at + slot * S::kStageBytes;
+#pragma unroll
+    for (int c = 0; c < kXPer; ++c)
+      if (x_live >> c & 1) copy_async16(at + x_dst[c], x + x_src[c] + st * kWgStageK);
+  };
+
+  // As packed_gemm: the weights of the first stages before the kernels this one follows have finished (programmatic
+  // dependent launch), x's after; group s holds all of stage s once waited for.
+  allow_dependents();
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s)
+    if (s < n_st) load_weights(s, s);
+  wait_for_inputs();
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < n_st) load_x(s, s);
+    copies_commit();
+  }
+
+  const int lt = warp;                 // this warp's tile in the CTA
+  const int pick_a = 4 * g + (t >> 1), pick_b = pick_a + 2;  // the lanes whose words hold this lane's k slots
+  const uint32_t sel = 0x6240u + 0x1111u * (t & 1);
+  float acc[NB / 2];
+#pragma unroll
+  for (int i = 0; i < NB / 2; ++i) acc[i] = 0.f;
+  for (int it = 0; it < n_st; ++it) {
+    copies_wait<kStages - 2>();
+    proxy_fence();    // this thread's landed x bytes, to wgmma's async proxy
+    __syncthreads();  // everyone's stage it is in; every warpgroup is done with the slot the next copies overwrite
+    const int next = it + kStages - 1;
+    if (next < n_st) {
+      load_weights(next % kStages, next);
+      load_x(next % kStages, next);
+    }
+    copies_commit();
+    unsigned char* stage = base + (it % kStages) * S::kStageBytes;
+    const uint4* ws = reinterpret_cast<const uint4*>(stage + S::kXBytes);
+    const float* ss = reinterpret_cast<const float*>(ws + S::kWords);
+    uint32_t a[S::kChunks * S::kSteps][4];
+#pragma unroll
+    for (int cc = 0; cc < S::kChunks; ++cc) {
+      const uint4 wa = ws[(lt * S::kChunks + cc) * 32 + pick_a], wb = ws[(lt * S::kChunks + cc) * 32 + pick_b];
+      const uint4 wv = make_uint4(__byte_perm(wa.x, wb.x, sel), __byte_perm(wa.y, wb.y, sel),
+                                  __byte_perm(wa.z, wb.z, sel), __byte_perm(wa.w, wb.w, sel));
+#pragma unroll
+      for (int j = 0; j < S::kSteps; ++j) {
+        const int js = cc * S::kSteps + j;
+        const float* sc = ss + (lt * S::kGroups + 16 * js / GROUP) * 16;
+        const float* mn = sc + kWgTiles * S::kGroups * 16;
+        const uint32_t s0 = pack_bf16(sc[g], sc[g]), s1 = pack_bf16(sc[g + 8], sc[g + 8]);
+        const uint32_t m0 = L == kQ4aMma ? pack_bf16(mn[g], mn[g]) : 0u, m1 = L == kQ4aMma ? pack_bf16(mn[g + 8], mn[g + 8]) : 0u;
+        dequant_wg<L>(wv, j, s0, s1, m0, m1, a[js]);
+      }
+    }
+    const uint32_t x_at = base_at + (it % kStages) * S::kStageBytes;
+    pin(acc);
+    wg_fence();  // the A registers (and, the first time, the accumulators) were written by ordinary instructions
+#pragma unroll
+    for (int js = 0; js < S::kChunks * S::kSteps; ++js)
+      wgmma_step(acc, a[js], b_desc(x_at + (js / 4) * NB * 128 + 32 * (js % 4)));
+    wg_commit();
+    wg_wait0();  // before a's registers are rewritten and before this slot is refilled
+    pin(acc);
+  }
+  copies_wait<0>();
+
+  // acc[4 i + 2 h + e]: feature 16 lt + g + 8 h of the block, x row 8 i + 2 t + e; rounded to bf16 as a linear's output
+  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);
+  const int f0 = (kWgTiles * blk + lt) * 16 + g;
+#pragma unroll
+  for (int i = 0; i < NB / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = 8 * i + 2 * t + (e & 1);
+      if (r < mb) out[static_cast<int64_t>(row0 + r) * p.stride_o + f0 + 8 * (e >> 1)] = __float2bfloat16_rn(acc[4 * i + e]);
+    }
+#else
+  __trap();  // not sm_90a: packed_wgmma_launch refuses such a device
+#endif
+}
+
+template <int L, int GROUP>
+const void* wg_kernel(int nb, size_t& smem) {
+  if (nb == 64) { smem = WgShape<L, GROUP, 64>::kBytes; return reinterpret_cast<const void*>(packed_wgmma_kernel<L, GROUP, 64>); }
+  smem = WgShape<L, GROUP, 128>::kBytes;
+  return reinterpret_cast<const void*>(packed_wgmma_kernel<L, GROUP, 128>);
+}
+
+template <int L>
+const void* wg_kernel_for_group(int group, int nb, size_t& smem) {
+  if (group == 32) return wg_kernel<L, 32>(nb, smem);
+  if (group == 64) return wg_kernel<L, 64>(nb, smem);
+  return wg_kernel<L, 128>(nb, smem);
+}
+
+const void* wg_kernel_for(int layout, int group, int nb, size_t& smem) {
+  switch (layout) {
+    case kQ4zMma: return wg_kernel_for_group<kQ4zMma>(group, nb, smem);
+    case kQ4aMma: return wg_kernel_for_group<kQ4aMma>(group, nb, smem);
+    default: return wg_kernel_for_group<kQ8sMma>(group, nb, smem);
+  }
+}
+
+}  // namespace
+
+bool packed_wgmma_supported(int m, int n, int k, int layout, int group) {
+  if (m < 1 || n % (16 * kWgTiles) != 0 || k % kWgStageK != 0 || !packed_linear_supported(layout, group, n, k))
+    return false;
+  return device_attribute(cudaDevAttrComputeCapabilityMajor) == 9 && device_attribute(cudaDevAttrComputeCapabilityMinor) == 0;
+}
+
+int packed_wgmma_launch(const PackedGemmParams& p, cudaStream_t stream) {
+  if (!packed_wgmma_supported(p.m, p.n, p.k, p.layout, p.group)) return -1;
+  if (p.nw != nullptr || p.res != nullptr || p.glu || p.ss_out != nullptr) return -1;  // no folds here
+  const int nb = p.m <= 64 ? 64 : 128;
+  size_t smem = 0;
+  const void* kernel = wg_kernel_for(p.layout, p.group, nb, smem);
+  if (!smem_fits(kernel, smem)) return -1;
+  allow_smem(kernel, smem);
+  void* args[] = {const_cast<PackedGemmParams*>(&p)};
+  return static_cast<int>(launch_overlapped(kernel, dim3((p.m + nb - 1) / nb, p.n / (16 * kWgTiles)), kWgThreads,
+                                            smem, stream, args));
+}
+
+}  // namespace onecopy_native
