@@ -153,5 +153,28 @@ inline void allow_smem(const void* kernel, size_t smem) {
 }
 
 
+// How many clusters of `splits` CTAs (of `threads` threads, clustered along z) of this kernel the device holds at
+// once (0 where the query fails): a K split over a cluster is taken only where all its clusters are resident (a
+// cluster's CTAs share a GPC, so with one CTA an SM fewer clusters fit than SMs / splits).
+inline int resident_clusters(const void* kernel, size_t smem, int splits, int threads) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(1, 1, splits);
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = splits;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
+    cudaGetLastError();  // not sticky: clear it
+    return 0;
+  }
+  return n;
+}
+
 }  // namespace mma
 }  // namespace onecopy_native

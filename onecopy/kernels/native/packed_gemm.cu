@@ -430,27 +430,6 @@ const void* kernel_for(int layout, int group, int rows, size_t& smem) {
   }
 }
 
-// How many clusters of `splits` CTAs of this kernel the device holds at once (0 where the query fails).
-int resident_clusters(const void* kernel, size_t smem, int splits) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(1, 1, splits);
-  cfg.blockDim = dim3(kGemmThreads);
-  cfg.dynamicSmemBytes = smem;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = splits;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
-    cudaGetLastError();  // not sticky: clear it
-    return 0;
-  }
-  return n;
-}
-
 }  // namespace
 
 PackedGemmPlan packed_gemm_plan(int m, int n, int k, int layout, int group, bool glu) {
@@ -472,7 +451,7 @@ PackedGemmPlan packed_gemm_plan(int m, int n, int k, int layout, int group, bool
       2 * blocks < device_attribute(cudaDevAttrMultiProcessorCount)) {
     allow_smem(kernel, smem);  // the occupancy query counts the opt-in shared memory
     for (int s : {4, 2})
-      if (stages % s == 0 && blocks <= resident_clusters(kernel, smem, s)) {
+      if (stages % s == 0 && blocks <= resident_clusters(kernel, smem, s, kGemmThreads)) {
         plan.k_splits = s;
         break;
       }

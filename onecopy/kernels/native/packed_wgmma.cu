@@ -16,8 +16,11 @@
 // stages of 128 values through a cp.async ring (weights, scales, x in two 64-K boxes of NB rows x 128 bytes with the
 // 128-byte swizzle). A stage: each warp's 8 A fragments (its tile, 8 k16 steps) dequantized with their groups' scale
 // and min (s q + m in one bf16x2 FMA, s and m rounded to bf16 first: packed_gemm's arithmetic), one wgmma a step for
-// its warpgroup's 64 outputs, then wait. No K split, no folds (the op's norm and fold kernels run around it).
+// its warpgroup's 64 outputs, then wait. Where the blocks fill under half the SMs (a 4096-output weight at up to a
+// few hundred rows: 32-64 CTAs) K is split over a cluster of 2-4 CTAs and their fp32 sums added in rank order through
+// distributed shared memory, as packed_gemm does. No folds (the op's norm and fold kernels run around it).
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -60,7 +63,9 @@ struct WgShape {
   static constexpr int kStageBytes = (kRaw + 1023) / 1024 * 1024;     // each stage's x 1024-byte aligned
   static constexpr int kFit = ONECOPY_WGMMA_RING_KB * 1024 / kStageBytes;
   static constexpr int kStages = kFit > 6 ? 6 : kFit < 2 ? 2 : kFit;
-  static constexpr int kBytes = kStages * kStageBytes + 1024;          // + room to align the base to 1024
+  static constexpr int kPartialBytes = 8 * (NB / 8) * 32 * 16;          // a K split's sums: [warp][n8 block][lane]
+  static constexpr int kRing = kStages * kStageBytes > kPartialBytes ? kStages * kStageBytes : kPartialBytes;
+  static constexpr int kBytes = kRing + 1024;                            // + room to align the base to 1024
 };
 
 #ifdef ONECOPY_WGMMA
@@ -153,7 +158,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) packed_wgmma_kernel(PackedGemmP
   unsigned char* base = reinterpret_cast<unsigned char*>(smem_raw) + (base_at - raw_at);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int row0 = blockIdx.x * NB, blk = blockIdx.y;
-  const int chunks = p.k / S::kCh, groups = p.k / GROUP, n_st = p.k / kWgStageK;
+  const int chunks = p.k / S::kCh, groups = p.k / GROUP;
+  // This CTA's stages of K: all, or (a cluster of gridDim.z CTAs splitting K) its share; st0 + i is absolute.
+  const int n_st = p.k / kWgStageK / gridDim.z, st0 = blockIdx.z * n_st;
 
   // Each thread's copies (as packed_gemm's): weight words [tile][chunk][lane], scale rows [scales, mins][tile][group]
   // [16], x pieces (row r, 16-byte piece c of the stage's 128 K) to the 128-byte-swizzled boxes.
@@ -203,11 +210,11 @@ __global__ void __launch_bounds__(kWgThreads, 1) packed_wgmma_kernel(PackedGemmP
   allow_dependents();
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s)
-    if (s < n_st) load_weights(s, s);
+    if (s < n_st) load_weights(s, st0 + s);
   wait_for_inputs();
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < n_st) load_x(s, s);
+    if (s < n_st) load_x(s, st0 + s);
     copies_commit();
   }
 
@@ -223,8 +230,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) packed_wgmma_kernel(PackedGemmP
     __syncthreads();  // everyone's stage it is in; every warpgroup is done with the slot the next copies overwrite
     const int next = it + kStages - 1;
     if (next < n_st) {
-      load_weights(next % kStages, next);
-      load_x(next % kStages, next);
+      load_weights(next % kStages, st0 + next);
+      load_x(next % kStages, st0 + next);
     }
     copies_commit();
     unsigned char* stage = base + (it % kStages) * S::kStageBytes;
@@ -257,6 +264,30 @@ __global__ void __launch_bounds__(kWgThreads, 1) packed_wgmma_kernel(PackedGemmP
     pin(acc);
   }
   copies_wait<0>();
+  if (gridDim.z > 1) {  // K split over the cluster: warp w's sums are added up, in rank order, by rank w % splits
+    namespace cg = cooperative_groups;
+    const cg::cluster_group cluster = cg::this_cluster();
+    const unsigned splits = gridDim.z;
+    __syncthreads();  // every warp is done with the ring, which holds the partial sums now
+    float4* part = reinterpret_cast<float4*>(base) + warp * (NB / 8) * 32 + lane;
+#pragma unroll
+    for (int i = 0; i < NB / 8; ++i) part[i * 32] = make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]);
+    cluster.sync();
+    const bool mine = warp % splits == cluster.block_rank();
+    if (mine)
+      for (unsigned q = 0; q < splits; ++q) {
+        const float4* from = cluster.map_shared_rank(part, q);
+#pragma unroll
+        for (int i = 0; i < NB / 8; ++i) {
+          const float4 v = from[i * 32];
+          const float vs[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[4 * i + e] = q == 0 ? vs[e] : acc[4 * i + e] + vs[e];
+        }
+      }
+    cluster.sync();  // no CTA leaves while another still reads its shared memory
+    if (!mine) return;
+  }
 
   // acc[4 i + 2 h + e]: feature 16 lt + g + 8 h of the block, x row 8 i + 2 t + e; rounded to bf16 as a linear's output
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);
@@ -311,9 +342,18 @@ int packed_wgmma_launch(const PackedGemmParams& p, cudaStream_t stream) {
   const void* kernel = wg_kernel_for(p.layout, p.group, nb, smem);
   if (!smem_fits(kernel, smem)) return -1;
   allow_smem(kernel, smem);
+  const dim3 grid((p.m + nb - 1) / nb, p.n / (16 * kWgTiles));
+  // Blocks under half the SMs: K split over a cluster of 4 or 2 CTAs where all its clusters are resident at once.
+  const int blocks = static_cast<int>(grid.x * grid.y), stages = p.k / kWgStageK;
+  unsigned splits = 1;
+  if (2 * blocks < device_attribute(cudaDevAttrMultiProcessorCount))
+    for (int s : {4, 2})
+      if (stages % s == 0 && blocks <= resident_clusters(kernel, smem, s, kWgThreads)) {
+        splits = s;
+        break;
+      }
   void* args[] = {const_cast<PackedGemmParams*>(&p)};
-  return static_cast<int>(launch_overlapped(kernel, dim3((p.m + nb - 1) / nb, p.n / (16 * kWgTiles)), kWgThreads,
-                                            smem, stream, args));
+  return static_cast<int>(launch_overlapped(kernel, dim3(grid.x, grid.y, splits), kWgThreads, smem, stream, args, splits));
 }
 
 }  // namespace onecopy_native
