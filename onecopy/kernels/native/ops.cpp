@@ -276,6 +276,7 @@ at::Tensor packed_wgmma(const at::Tensor& x_in, const at::Tensor& qweight, const
   check_scales(x_in, qweight, scales, mins, layout, group);
   const auto x = copyable_rows(x_in);
   const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0);
+  if (m == 0) return at::empty({0, n}, x.options());
   c10::cuda::CUDAGuard guard(x.device());
   TORCH_CHECK(onecopy_native::packed_wgmma_supported(static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
                                                      static_cast<int>(layout), static_cast<int>(group)),

@@ -144,7 +144,7 @@ __device__ __forceinline__ void load16(const __nv_bfloat16* from, float (&v)[16]
 // residual added in fp32 and rounded. The sums of squares run in another order than ATen's reduction did (they feed
 // the next norm's rstd, which packed_gemm's epilogue sums in its own order too).
 __global__ void __launch_bounds__(256) fold_rows_kernel(FoldRowsParams p) {
-  const int i = blockIdx.x * 256 + threadIdx.x, row = blockIdx.y, groups = p.n_out / 16;
+  const int row = blockIdx.x, i = blockIdx.y * 256 + threadIdx.x, groups = p.n_out / 16;
   allow_dependents();
   wait_for_inputs();
   if (i >= groups) return;
@@ -485,9 +485,9 @@ int norm_rows_launch(const PackedGemmParams& p, cudaStream_t stream) {
 
 int fold_rows_launch(const FoldRowsParams& p, cudaStream_t stream) {
   if (p.m == 0) return 0;
-  if (p.n_out % 16 != 0 || p.m > 65535 || (p.out == nullptr && (p.glu || p.res != nullptr))) return -1;
+  if (p.n_out % 16 != 0 || (p.out == nullptr && (p.glu || p.res != nullptr))) return -1;
   const int groups = p.n_out / 16;
-  return static_cast<int>(launch_overlapped(fold_rows_kernel, dim3((groups + 255) / 256, p.m), 256, 0, stream, p));
+  return static_cast<int>(launch_overlapped(fold_rows_kernel, dim3(p.m, (groups + 255) / 256), 256, 0, stream, p));
 }
 
 }  // namespace onecopy_native
