@@ -39,8 +39,6 @@ constexpr int kLbo = (kRows / 8) * kCoreBytes;       // next core matrix along K
 constexpr int kSbo = kCoreBytes;                     // next 8-row group
 constexpr int kStageBytes = (kChunk / 8) * kLbo;     // a chunk of x: 8 KB
 
-constexpr uint32_t kOne2 = 0x3f803f80u, kMinus128 = 0xc300c300u;
-
 // The shared-memory matrix descriptor (no swizzle): start address, LBO and SBO in 16-byte units, layout type 0.
 __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
   uint64_t d = 0;
@@ -48,25 +46,6 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
   d |= static_cast<uint64_t>((kLbo & 0x3FFFF) >> 4) << 16;
   d |= static_cast<uint64_t>((kSbo & 0x3FFFF) >> 4) << 32;
   return d;  // base offset 0 (bits 49-51), layout type 0: no swizzle (bits 62-63)
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-
-// D[64 x 64] (+)= A[64 x 16] (registers: this warp's 16 rows, m16n8k16 A layout) * B[16 x 64] (shared, K-major).
-__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
 }
 
 struct Params {
@@ -105,8 +84,7 @@ __global__ void __launch_bounds__(128) probe_kernel(Params p) {
         *reinterpret_cast<uint32_t*>(xs + off) = words[e];
       }
     }
-    // ordinary stores, read by wgmma through the async proxy: make them visible to it, then to the whole warpgroup
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    proxy_fence();  // ordinary stores, read by wgmma through the async proxy; then the barrier for the warpgroup
     __syncthreads();
     const uint4 wv = p.w[(static_cast<int64_t>(tile) * chunks + c) * 32 + lane];
     const int grp = c * kChunk / kGroup;
@@ -116,14 +94,10 @@ __global__ void __launch_bounds__(128) probe_kernel(Params p) {
     const uint32_t m2[2] = {pack_bf16(mn[g], mn[g]), pack_bf16(mn[g + 8], mn[g + 8])};
     uint32_t a[4][4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      dequant_step<kQ4aMma>(wv, j, a[j]);  // 128 + q
-#pragma unroll
-      for (int r = 0; r < 4; ++r) a[j][r] = fma2(fma2(a[j][r], kOne2, kMinus128), s2[r & 1], m2[r & 1]);
-    }
+    for (int j = 0; j < 4; ++j) dequant_scaled<kQ4aMma>(wv, j, s2, m2, a[j]);  // s q + m in bf16
     wgmma_fence();  // the A registers and the accumulators were written by ordinary instructions
 #pragma unroll
-    for (int j = 0; j < 4; ++j) wgmma_m64n64k16(d, a[j], smem_desc(xs_at + 2 * j * kLbo), 1);
+    for (int j = 0; j < 4; ++j) wgmma_step(d, a[j], smem_desc(xs_at + 2 * j * kLbo));
     wgmma_commit();
     wgmma_wait0();  // before the next chunk overwrites xs (and a)
     __syncthreads();

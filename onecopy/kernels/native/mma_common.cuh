@@ -153,6 +153,128 @@ inline void allow_smem(const void* kernel, size_t smem) {
 }
 
 
+constexpr uint32_t kOne2 = 0x3f803f80u;       // bf16 1, 1
+constexpr uint32_t kNegZero2 = 0x80008000u;   // bf16 -0, -0: s q + (-0) = s q, signed zeros kept
+constexpr uint32_t kMinus128 = 0xc300c300u;   // bf16 -128
+constexpr uint32_t kMinus136 = 0xc308c308u;   // bf16 -136
+
+// Fragment register r of MMA step j of a chunk as bf16 s q (+ m), the packed GEMMs' arithmetic (Marlin's: s and m
+// rounded to bf16, s q + m in one bf16x2 FMA from the exact integer q): s, m for the tile's rows g (even r) and g + 8.
+template <int L>
+__device__ __forceinline__ void dequant_scaled(const uint4& w, int j, const uint32_t (&s)[2], const uint32_t (&m)[2],
+                                               uint32_t (&a)[4]) {
+  dequant_step<L>(w, j, a);  // int4: the exact bf16 128 + q; int8: q
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    uint32_t q = a[r];
+    if constexpr (L == kQ4aMma) q = fma2(q, kOne2, kMinus128);       // q in 0..15
+    else if constexpr (L == kQ4zMma) q = fma2(q, kOne2, kMinus136);  // q - 8
+    a[r] = fma2(q, s[r & 1], L == kQ4aMma ? m[r & 1] : kNegZero2);
+  }
+}
+
+// Hopper's warpgroup MMA (wgmma: packed_wgmma.cu; benchmarks/wgmma_probe.cu), for sm_90a alone: built for another
+// target each traps (the callers refuse other devices before launching). ONECOPY_WGMMA: compiled for sm_90a here.
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define ONECOPY_WGMMA 1
+#endif
+
+__device__ __forceinline__ void wgmma_fence() {
+#ifdef ONECOPY_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#ifdef ONECOPY_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void wgmma_wait0() {
+#ifdef ONECOPY_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+// Shared memory written by ordinary stores or cp.async, made visible to the async proxy (wgmma's reads of B).
+__device__ __forceinline__ void proxy_fence() {
+#ifdef ONECOPY_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+// The accumulators pinned in place around the asynchronous MMAs (CUTLASS's warpgroup_fence_operand).
+template <int N>
+__device__ __forceinline__ void pin(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// D[64 x N] += A[64 x 16] * B[16 x N], N = 64 or 128: A from registers (this warp's 16 rows of the warpgroup's 64, in
+// mma.sync m16n8k16's A layout), B from shared memory through its descriptor (K-major), fp32 accumulators.
+__device__ __forceinline__ void wgmma_step(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
+#ifdef ONECOPY_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void wgmma_step(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+#ifdef ONECOPY_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+#else
+  __trap();
+#endif
+}
+
+// A kernel instance for a runtime layout (q4z, q4a, else q8s) and group (32, 64, else 128): the packed GEMMs' kernels
+// are templates on both; `pick.template get<L, GROUP>()` names the instance (and its shared memory).
+template <int L, typename Pick>
+const void* for_group(int group, const Pick& pick) {
+  if (group == 32) return pick.template get<L, 32>();
+  if (group == 64) return pick.template get<L, 64>();
+  return pick.template get<L, 128>();
+}
+template <typename Pick>
+const void* for_layout_and_group(int layout, int group, const Pick& pick) {
+  switch (layout) {
+    case kQ4zMma: return for_group<kQ4zMma>(group, pick);
+    case kQ4aMma: return for_group<kQ4aMma>(group, pick);
+    default: return for_group<kQ8sMma>(group, pick);
+  }
+}
+
 // How many clusters of `splits` CTAs (of `threads` threads, clustered along z) of this kernel the device holds at
 // once (0 where the query fails): a K split over a cluster is taken only where all its clusters are resident (a
 // cluster's CTAs share a GPC, so with one CTA an SM fewer clusters fit than SMs / splits).

@@ -77,25 +77,6 @@ struct GemmShape {
   static constexpr int kBytes = kRingBytes > kPartialBytes ? kRingBytes : kPartialBytes;
 };
 
-constexpr uint32_t kOne2 = 0x3f803f80u;       // bf16 1, 1
-constexpr uint32_t kNegZero2 = 0x80008000u;   // bf16 -0, -0: s q + (-0) = s q, signed zeros kept
-constexpr uint32_t kMinus128 = 0xc300c300u;   // bf16 -128
-constexpr uint32_t kMinus136 = 0xc308c308u;   // bf16 -136
-
-// Fragment register r of MMA step j of a chunk as bf16 s q (+ m): s, m for the tile's rows g (even r) and g + 8.
-template <int L>
-__device__ __forceinline__ void dequant_scaled(const uint4& w, int j, const uint32_t (&s)[2], const uint32_t (&m)[2],
-                                               uint32_t (&a)[4]) {
-  dequant_step<L>(w, j, a);  // int4: the exact bf16 128 + q; int8: q
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    uint32_t q = a[r];
-    if constexpr (L == kQ4aMma) q = fma2(q, kOne2, kMinus128);       // q in 0..15
-    else if constexpr (L == kQ4zMma) q = fma2(q, kOne2, kMinus136);  // q - 8
-    a[r] = fma2(q, s[r & 1], L == kQ4aMma ? m[r & 1] : kNegZero2);
-  }
-}
-
 // The RMSNorm of x's rows before a folded projection, with the eager model's roundings: xn = bf16(bf16(x * rstd) * w),
 // rstd = rsqrtf(sum of the row's partial sums of squares / K + eps) (the eager norm's ops in one kernel; its rstd may
 // differ from ATen's in the last bit: sum order, rsqrtf). One CTA a row.
@@ -415,19 +396,15 @@ const void* kernel_for_rows(int rows, size_t& smem) {
   return gemm_kernel<L, GROUP, 8>();
 }
 
-template <int L>
-const void* kernel_for_group(int group, int rows, size_t& smem) {
-  if (group == 32) return kernel_for_rows<L, 32>(rows, smem);
-  if (group == 64) return kernel_for_rows<L, 64>(rows, smem);
-  return kernel_for_rows<L, 128>(rows, smem);
-}
+struct GemmPick {  // the kernel for blocks of `rows` rows, and its shared memory
+  int rows;
+  size_t* smem;
+  template <int L, int GROUP>
+  const void* get() const { return kernel_for_rows<L, GROUP>(rows, *smem); }
+};
 
 const void* kernel_for(int layout, int group, int rows, size_t& smem) {
-  switch (layout) {
-    case kQ4zMma: return kernel_for_group<kQ4zMma>(group, rows, smem);
-    case kQ4aMma: return kernel_for_group<kQ4aMma>(group, rows, smem);
-    default: return kernel_for_group<kQ8sMma>(group, rows, smem);
-  }
+  return for_layout_and_group(layout, group, GemmPick{rows, &smem});
 }
 
 }  // namespace

@@ -43,12 +43,6 @@ constexpr int kWgStageK = 128;   // K values a stage
 #define ONECOPY_WGMMA_RING_KB 200
 #endif
 
-// wgmma and the sm_90a-only instructions: compiled for sm_90a alone (the library builds Hopper for sm_90a); any
-// other target gets a kernel that traps, and packed_wgmma_launch refuses other devices before that.
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define ONECOPY_WGMMA 1
-#endif
-
 template <int L, int GROUP, int NB>
 struct WgShape {
   static constexpr int kCh = L == kQ8sMma ? 32 : 64;                   // values a chunk of the tile order
@@ -68,78 +62,11 @@ struct WgShape {
   static constexpr int kBytes = kRing + 1024;                            // + room to align the base to 1024
 };
 
-#ifdef ONECOPY_WGMMA
 // The shared-memory descriptor of a k16 step of B in a 128-byte-swizzled box: start address, LBO 1 (unused with a
 // swizzle), SBO 1024 bytes (the next 8 rows), layout 1 (128B); the box starts 1024-byte aligned (base offset 0).
-__device__ __forceinline__ uint64_t b_desc(uint32_t addr) {
+[[maybe_unused]] __device__ __forceinline__ uint64_t b_desc(uint32_t addr) {
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) |
          (1ull << 62);
-}
-
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-// Ordinary and cp.async writes to shared memory made visible to the async proxy (wgmma's reads of B).
-__device__ __forceinline__ void proxy_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// The accumulators pinned in place around the asynchronous MMAs (CUTLASS's warpgroup_fence_operand).
-template <int N>
-__device__ __forceinline__ void pin(float (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// D[64 x N] += A[64 x 16] (registers) * B[16 x N] (shared, K-major), N = 64 or 128.
-__device__ __forceinline__ void wgmma_step(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
-}
-__device__ __forceinline__ void wgmma_step(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
-}
-#endif
-
-constexpr uint32_t kOne2 = 0x3f803f80u;       // bf16 1, 1
-constexpr uint32_t kNegZero2 = 0x80008000u;   // bf16 -0, -0
-constexpr uint32_t kMinus128 = 0xc300c300u;   // bf16 -128
-constexpr uint32_t kMinus136 = 0xc308c308u;   // bf16 -136
-
-// A fragment register r of k16 step j of a chunk as bf16 s q (+ m) (packed_gemm's dequant_scaled).
-template <int L>
-__device__ __forceinline__ void dequant_wg(const uint4& w, int j, uint32_t s0, uint32_t s1, uint32_t m0, uint32_t m1,
-                                           uint32_t (&a)[4]) {
-  dequant_step<L>(w, j, a);
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    uint32_t q = a[r];
-    if constexpr (L == kQ4aMma) q = fma2(q, kOne2, kMinus128);
-    else if constexpr (L == kQ4zMma) q = fma2(q, kOne2, kMinus136);
-    a[r] = fma2(q, r & 1 ? s1 : s0, L == kQ4aMma ? (r & 1 ? m1 : m0) : kNegZero2);
-  }
 }
 
 template <int L, int GROUP, int NB>
@@ -248,19 +175,19 @@ __global__ void __launch_bounds__(kWgThreads, 1) packed_wgmma_kernel(PackedGemmP
         const int js = cc * S::kSteps + j;
         const float* sc = ss + (lt * S::kGroups + 16 * js / GROUP) * 16;
         const float* mn = sc + kWgTiles * S::kGroups * 16;
-        const uint32_t s0 = pack_bf16(sc[g], sc[g]), s1 = pack_bf16(sc[g + 8], sc[g + 8]);
-        const uint32_t m0 = L == kQ4aMma ? pack_bf16(mn[g], mn[g]) : 0u, m1 = L == kQ4aMma ? pack_bf16(mn[g + 8], mn[g + 8]) : 0u;
-        dequant_wg<L>(wv, j, s0, s1, m0, m1, a[js]);
+        const uint32_t s2[2] = {pack_bf16(sc[g], sc[g]), pack_bf16(sc[g + 8], sc[g + 8])};
+        const uint32_t m2[2] = {L == kQ4aMma ? pack_bf16(mn[g], mn[g]) : 0u, L == kQ4aMma ? pack_bf16(mn[g + 8], mn[g + 8]) : 0u};
+        dequant_scaled<L>(wv, j, s2, m2, a[js]);
       }
     }
     const uint32_t x_at = base_at + (it % kStages) * S::kStageBytes;
     pin(acc);
-    wg_fence();  // the A registers (and, the first time, the accumulators) were written by ordinary instructions
+    wgmma_fence();  // the A registers (and, the first time, the accumulators) were written by ordinary instructions
 #pragma unroll
     for (int js = 0; js < S::kChunks * S::kSteps; ++js)
       wgmma_step(acc, a[js], b_desc(x_at + (js / 4) * NB * 128 + 32 * (js % 4)));
-    wg_commit();
-    wg_wait0();  // before a's registers are rewritten and before this slot is refilled
+    wgmma_commit();
+    wgmma_wait0();  // before a's registers are rewritten and before this slot is refilled
     pin(acc);
   }
   copies_wait<0>();
@@ -311,20 +238,12 @@ const void* wg_kernel(int nb, size_t& smem) {
   return reinterpret_cast<const void*>(packed_wgmma_kernel<L, GROUP, 128>);
 }
 
-template <int L>
-const void* wg_kernel_for_group(int group, int nb, size_t& smem) {
-  if (group == 32) return wg_kernel<L, 32>(nb, smem);
-  if (group == 64) return wg_kernel<L, 64>(nb, smem);
-  return wg_kernel<L, 128>(nb, smem);
-}
-
-const void* wg_kernel_for(int layout, int group, int nb, size_t& smem) {
-  switch (layout) {
-    case kQ4zMma: return wg_kernel_for_group<kQ4zMma>(group, nb, smem);
-    case kQ4aMma: return wg_kernel_for_group<kQ4aMma>(group, nb, smem);
-    default: return wg_kernel_for_group<kQ8sMma>(group, nb, smem);
-  }
-}
+struct WgPick {  // the kernel for blocks of `nb` rows, and its shared memory
+  int nb;
+  size_t* smem;
+  template <int L, int GROUP>
+  const void* get() const { return wg_kernel<L, GROUP>(nb, *smem); }
+};
 
 }  // namespace
 
@@ -339,7 +258,7 @@ int packed_wgmma_launch(const PackedGemmParams& p, cudaStream_t stream) {
   if (p.nw != nullptr || p.res != nullptr || p.glu || p.ss_out != nullptr) return -1;  // no folds here
   const int nb = p.m <= 64 ? 64 : 128;
   size_t smem = 0;
-  const void* kernel = wg_kernel_for(p.layout, p.group, nb, smem);
+  const void* kernel = for_layout_and_group(p.layout, p.group, WgPick{nb, &smem});
   if (!smem_fits(kernel, smem)) return -1;
   allow_smem(kernel, smem);
   const dim3 grid((p.m + nb - 1) / nb, p.n / (16 * kWgTiles));
