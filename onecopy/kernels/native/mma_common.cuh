@@ -3,6 +3,7 @@
 // launch, bf16 pair arithmetic, and the tile order's int4 / int8 unpacking (packed_linear.cu's header draws it).
 #pragma once
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -172,6 +173,56 @@ __device__ __forceinline__ void dequant_scaled(const uint4& w, int j, const uint
     a[r] = fma2(q, s[r & 1], L == kQ4aMma ? m[r & 1] : kNegZero2);
   }
 }
+
+// The first kStages - 1 stages of a cp.async ring (the packed GEMMs): the weights' copies (load_weights(slot, stage))
+// before the kernels this one follows have finished (programmatic dependent launch: they do not depend on them), x's
+// (load_x) after; group 0 then holds those weights and x's first stage, group s x's stage s, so that waiting for group
+// s is waiting for all of stage s. n_st: this CTA's stages, st0 its first.
+template <int kStages, typename LoadWeights, typename LoadX>
+__device__ __forceinline__ void fill_ring(int n_st, int st0, const LoadWeights& load_weights, const LoadX& load_x) {
+  allow_dependents();
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s)
+    if (s < n_st) load_weights(s, st0 + s);
+  wait_for_inputs();
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < n_st) load_x(s, st0 + s);
+    copies_commit();
+  }
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// K split over a cluster of gridDim.z CTAs (Hopper): each warp's fp32 sums `acc` go to its CTA's shared memory
+// `smem` ([warp][acc's float4s][lane]; every warp must be done with it), and rank w % splits adds warp w's up over the
+// cluster through distributed shared memory, in rank order (the same bits every call). Returns whether this warp now
+// holds the total; the others are done (no CTA leaves while another still reads its shared memory).
+template <int N>
+__device__ __forceinline__ bool cluster_sum(float (&acc)[N], void* smem, int warp, int lane) {
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const unsigned splits = gridDim.z;
+  __syncthreads();
+  float4* part = reinterpret_cast<float4*>(smem) + warp * (N / 4) * 32 + lane;
+#pragma unroll
+  for (int i = 0; i < N / 4; ++i) part[i * 32] = make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]);
+  cluster.sync();
+  const bool mine = warp % splits == cluster.block_rank();
+  if (mine)
+    for (unsigned q = 0; q < splits; ++q) {
+      const float4* from = cluster.map_shared_rank(part, q);
+#pragma unroll
+      for (int i = 0; i < N / 4; ++i) {
+        const float4 v = from[i * 32];
+        const float vs[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[4 * i + e] = q == 0 ? vs[e] : acc[4 * i + e] + vs[e];
+      }
+    }
+  cluster.sync();
+  return mine;
+}
+#endif
 
 // Hopper's warpgroup MMA (wgmma: packed_wgmma.cu; benchmarks/wgmma_probe.cu), for sm_90a alone: built for another
 // target each traps (the callers refuse other devices before launching). ONECOPY_WGMMA: compiled for sm_90a here.

@@ -30,7 +30,6 @@
 // A CTA: 8 warps, 16 tiles of 16 output features (two a warp), `8 NT` rows (NT 8-row n-tiles), K in stages of 128
 // values (as many in flight as fit ONECOPY_GEMM_RING_KB). Grid: row blocks x 256-feature blocks x K splits.
 
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -237,19 +236,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1) packed_gemm_kernel(PackedGemm
     }
   };
 
-  // Weights and scales do not depend on the kernels before this one (programmatic dependent launch): the first
-  // stages' copies start before their results are waited for; x's after. Group 0 holds those weights and x's first
-  // stage, group s x's stage s: waiting for group s is waiting for all of stage s.
-  allow_dependents();
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s)
-    if (s < n_st) load_weights(s, st0 + s);
-  wait_for_inputs();
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < n_st) load_x(s, st0 + s);
-    copies_commit();
-  }
+  fill_ring<kStages>(n_st, st0, load_weights, load_x);
 
   const int lt_a = p.glu ? warp : 2 * warp, lt_b = p.glu ? 8 + warp : 2 * warp + 1;  // this warp's two tiles
   const bool live_a = tile_live(lt_a), live_b = tile_live(lt_b);
@@ -309,35 +296,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1) packed_gemm_kernel(PackedGemm
   }
   copies_wait<0>();
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (gridDim.z > 1) {  // K split over the cluster: warp w's sums are added up, in rank order, by rank w % splits
-    namespace cg = cooperative_groups;
-    const cg::cluster_group cluster = cg::this_cluster();
-    const unsigned splits = gridDim.z;
-    __syncthreads();  // every warp is done with the ring, which holds the partial sums now
-    float4* part = reinterpret_cast<float4*>(smem) + warp * 2 * NT * 32 + lane;
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        part[(h * NT + nt) * 32] = make_float4(acc[h][nt][0], acc[h][nt][1], acc[h][nt][2], acc[h][nt][3]);
-    cluster.sync();
-    const bool mine = warp % splits == cluster.block_rank();
-    if (mine)
-      for (unsigned q = 0; q < splits; ++q) {
-        const float4* from = cluster.map_shared_rank(part, q);
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            const float4 v = from[(h * NT + nt) * 32];
-            const float vs[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[h][nt][e] = q == 0 ? vs[e] : acc[h][nt][e] + vs[e];
-          }
-      }
-    cluster.sync();  // no CTA leaves while another still reads its shared memory
-    if (!mine) return;
-  }
+  // K split over the cluster: warp w's sums added up, in rank order, by rank w % splits (acc as one flat array)
+  if (gridDim.z > 1 && !cluster_sum(reinterpret_cast<float (&)[2 * NT * 4]>(acc), smem, warp, lane)) return;
 #else
   if (gridDim.z > 1) __trap();  // no clusters before sm_90 (launch_overlapped refuses such a launch)
 #endif

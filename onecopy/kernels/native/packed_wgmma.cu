@@ -20,7 +20,6 @@
 // few hundred rows: 32-64 CTAs) K is split over a cluster of 2-4 CTAs and their fp32 sums added in rank order through
 // distributed shared memory, as packed_gemm does. No folds (the op's norm and fold kernels run around it).
 
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -132,18 +131,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) packed_wgmma_kernel(PackedGemmP
       if (x_live >> c & 1) copy_async16(at + x_dst[c], x + x_src[c] + st * kWgStageK);
   };
 
-  // As packed_gemm: the weights of the first stages before the kernels this one follows have finished (programmatic
-  // dependent launch), x's after; group s holds all of stage s once waited for.
-  allow_dependents();
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s)
-    if (s < n_st) load_weights(s, st0 + s);
-  wait_for_inputs();
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < n_st) load_x(s, st0 + s);
-    copies_commit();
-  }
+  fill_ring<kStages>(n_st, st0, load_weights, load_x);
 
   const int lt = warp;                 // this warp's tile in the CTA
   const int pick_a = 4 * g + (t >> 1), pick_b = pick_a + 2;  // the lanes whose words hold this lane's k slots
@@ -191,30 +179,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) packed_wgmma_kernel(PackedGemmP
     pin(acc);
   }
   copies_wait<0>();
-  if (gridDim.z > 1) {  // K split over the cluster: warp w's sums are added up, in rank order, by rank w % splits
-    namespace cg = cooperative_groups;
-    const cg::cluster_group cluster = cg::this_cluster();
-    const unsigned splits = gridDim.z;
-    __syncthreads();  // every warp is done with the ring, which holds the partial sums now
-    float4* part = reinterpret_cast<float4*>(base) + warp * (NB / 8) * 32 + lane;
-#pragma unroll
-    for (int i = 0; i < NB / 8; ++i) part[i * 32] = make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]);
-    cluster.sync();
-    const bool mine = warp % splits == cluster.block_rank();
-    if (mine)
-      for (unsigned q = 0; q < splits; ++q) {
-        const float4* from = cluster.map_shared_rank(part, q);
-#pragma unroll
-        for (int i = 0; i < NB / 8; ++i) {
-          const float4 v = from[i * 32];
-          const float vs[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[4 * i + e] = q == 0 ? vs[e] : acc[4 * i + e] + vs[e];
-        }
-      }
-    cluster.sync();  // no CTA leaves while another still reads its shared memory
-    if (!mine) return;
-  }
+  // K split over the cluster: warp w's sums added up, in rank order, by rank w % splits
+  if (gridDim.z > 1 && !cluster_sum(acc, base, warp, lane)) return;
 
   // acc[4 i + 2 h + e]: feature 16 lt + g + 8 h of the block, x row 8 i + 2 t + e; rounded to bf16 as a linear's output
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);
