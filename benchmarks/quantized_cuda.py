@@ -103,8 +103,13 @@ def main() -> None:
         row = {"variant": variant, "export_s": float((bundle.parent / f"{bundle.name}.export_s").read_text())}
         gc.collect()
         torch.cuda.empty_cache()
+        # with a peer: the KV blocks the sessions need (the prompt, then ~60 decode steps a batch size measured), not
+        # all free memory, so that the peer's bf16 copy fits beside 256 sessions' blocks
+        block = json.loads((bundle / "manifest.json").read_text()).get("kv_block_size") or 0
+        positions = a.prompt_len + 64 * (len(batches) + 3)
+        kv_blocks = (max(batches) + 1) * -(-positions // block) if block and peers else None
         with onecopy.Engine.load(bundle, "cuda", max_sessions=max(batches), decode_buckets=[1, *batches],
-                                 prefill_chunk=a.max_seq_len) as engine:
+                                 prefill_chunk=a.max_seq_len, kv_blocks=kv_blocks) as engine:
             weights = engine.weights.as_map(engine.manifest.weights)
             cfg = LlamaConfig.from_dict(engine.manifest.config)
             report = engine.memory_report()
