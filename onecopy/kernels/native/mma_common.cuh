@@ -349,5 +349,17 @@ inline int resident_clusters(const void* kernel, size_t smem, int splits, int th
   return n;
 }
 
+// How many CTAs of a cluster share each block's K (1, 2 or 4) for `blocks` blocks of this kernel over `stages`
+// stages of K: on Hopper, where the blocks fill under half the SMs, the most (4, else 2) that divide the stages and
+// whose clusters are all resident at once (packed_gemm_plan's measurements: at 64 rows 4 splits, not 8).
+inline int cluster_splits(const void* kernel, size_t smem, int threads, int blocks, int stages) {
+  if (device_attribute(cudaDevAttrComputeCapabilityMajor) < 9 || 2 * blocks >= device_attribute(cudaDevAttrMultiProcessorCount))
+    return 1;
+  allow_smem(kernel, smem);  // the occupancy query counts the opt-in shared memory
+  for (int s : {4, 2})
+    if (stages % s == 0 && blocks <= resident_clusters(kernel, smem, s, threads)) return s;
+  return 1;
+}
+
 }  // namespace mma
 }  // namespace onecopy_native

@@ -287,11 +287,8 @@ at::Tensor packed_wgmma(const at::Tensor& x_in, const at::Tensor& qweight, const
               "packed_wgmma: qweight, scales and mins must be contiguous and 16-byte aligned");
   auto out = at::empty({m, n}, x.options());
   onecopy_native::PackedGemmParams p{};
-  p.x = x.data_ptr();
-  p.stride_x = x.stride(0);
-  p.w = qweight.data_ptr();
-  p.s = scales.data_ptr<float>();
-  p.mn = mins.has_value() ? mins->data_ptr<float>() : nullptr;
+  std::vector<at::Tensor> keep;  // no folds: set_operands copies nothing
+  set_operands(p, x, qweight, scales, mins, std::nullopt, std::nullopt, std::nullopt, 0.0, keep);
   p.out = out.data_ptr();
   p.stride_o = out.stride(0);
   p.m = static_cast<int>(m); p.n = static_cast<int>(n); p.k = static_cast<int>(k);

@@ -383,16 +383,7 @@ PackedGemmPlan packed_gemm_plan(int m, int n, int k, int layout, int group, bool
   // resident at once (a cluster's CTAs share a GPC: with one CTA an SM fewer clusters fit than SMs / splits). H100,
   // int4 g128 at 64 rows, 1 / 2 / 4 / 8 splits: o 67.7 / 38.9 / 25.3 / 38.5 us, down 224 / 118 / 65 / 78; two
   // 32-row blocks of 4 splits (32 clusters) o 32.7 us.
-  const int blocks = plan.row_blocks * plan.col_blocks, stages = k / kStageK;
-  if (device_attribute(cudaDevAttrComputeCapabilityMajor) >= 9 &&
-      2 * blocks < device_attribute(cudaDevAttrMultiProcessorCount)) {
-    allow_smem(kernel, smem);  // the occupancy query counts the opt-in shared memory
-    for (int s : {4, 2})
-      if (stages % s == 0 && blocks <= resident_clusters(kernel, smem, s, kGemmThreads)) {
-        plan.k_splits = s;
-        break;
-      }
-  }
+  plan.k_splits = cluster_splits(kernel, smem, kGemmThreads, plan.row_blocks * plan.col_blocks, k / kStageK);
   return plan;
 }
 

@@ -228,15 +228,7 @@ int packed_wgmma_launch(const PackedGemmParams& p, cudaStream_t stream) {
   if (!smem_fits(kernel, smem)) return -1;
   allow_smem(kernel, smem);
   const dim3 grid((p.m + nb - 1) / nb, p.n / (16 * kWgTiles));
-  // Blocks under half the SMs: K split over a cluster of 4 or 2 CTAs where all its clusters are resident at once.
-  const int blocks = static_cast<int>(grid.x * grid.y), stages = p.k / kWgStageK;
-  unsigned splits = 1;
-  if (2 * blocks < device_attribute(cudaDevAttrMultiProcessorCount))
-    for (int s : {4, 2})
-      if (stages % s == 0 && blocks <= resident_clusters(kernel, smem, s, kWgThreads)) {
-        splits = s;
-        break;
-      }
+  const unsigned splits = cluster_splits(kernel, smem, kWgThreads, static_cast<int>(grid.x * grid.y), p.k / kWgStageK);
   void* args[] = {const_cast<PackedGemmParams*>(&p)};
   return static_cast<int>(launch_overlapped(kernel, dim3(grid.x, grid.y, splits), kWgThreads, smem, stream, args, splits));
 }
