@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default="qkv,o,gate_up,down,lm_head")
     ap.add_argument("--rows", default="16,32,64,128,256")
+    ap.add_argument("--tinygemm-all-rows", action="store_true", help="time tinygemm past 256 rows too")
     a = ap.parse_args()
     native.load()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -69,14 +70,21 @@ def main() -> None:
                 variants[f"{name} gemm"] = (nb, [functools.partial(native.packed_gemm, x, *o) for o in ops])
                 if torch.cuda.get_device_capability() == (9, 0):  # the warpgroup-MMA kernel (packed_wgmma.cu)
                     variants[f"{name} wgmma"] = (nb, [functools.partial(native.packed_wgmma, x, *o) for o in ops])
+                    if m > 128:  # past 128 rows the kernel picks 128 or 256 rows a CTA: both, for comparison
+                        for rows in (128, 256):
+                            variants[f"{name} wgmma nb{rows}"] = (nb, [functools.partial(
+                                native.packed_wgmma, x, *o, rows) for o in ops])
                 variants[f"{name} unpack+cuBLAS"] = (nb, [
                     (lambda o: lambda: F.linear(x, native.unpack(*o, torch.bfloat16)))(o) for o in ops])
                 if m <= 64:
                     variants[f"{name} gemv"] = (nb, [functools.partial(
                         native.packed_linear, x, *o[:3], o[3], o[4], None, False, None, True) for o in ops])
             nb, tgs = weights["tinygemm"]
-            variants["tinygemm int4 g128"] = (nb, [functools.partial(torch.ops.aten._weight_int4pack_mm, x, pw, 128, sz)
-                                                   for pw, sz in tgs])
+            if m > 256 and not a.tinygemm_all_rows:  # 5-25x slower there: minutes of a GPU session for no news
+                tgs = []
+            if tgs:
+                variants["tinygemm int4 g128"] = (nb, [functools.partial(torch.ops.aten._weight_int4pack_mm, x, pw, 128, sz)
+                                                       for pw, sz in tgs])
             row = {"shape": shape, "N": n, "K": k, "rows": m, "us": {}}
             for name, (nb, calls) in variants.items():
                 try:

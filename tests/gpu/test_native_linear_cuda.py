@@ -175,7 +175,8 @@ def test_native_packed_gemm_matches_float64_for_many_rows_and_is_deterministic()
     (4096 x 4096: 16 blocks, 4 splits of 8 stages; 6144 x 1024: 24 blocks, 4 splits of 2 stages; 4112 x 1024: a last
     block of one tile), which it takes (not cuBLAS's bits on the unpacked weight), and the paths it leaves to cuBLAS
     on the unpacked weight (few blocks before Hopper; K = 576, not a multiple of the 128-value stage; past 64 rows);
-    the same bits on every call. The decode op without folds takes the GEMM past 8 rows where it serves, past 16
+    the same bits on every call; on Hopper 33 to 512 rows of a weight of 128-multiple N and K go to the wgmma kernel
+    (packed_wgmma's bits). The decode op without folds takes the GEMM past 8 rows where it serves, past 16
     where it splits K (its rows' sums of squares its own)."""
     from onecopy.kernels import native
     from onecopy.layouts import MMA_LAYOUT_IDS
@@ -183,6 +184,7 @@ def test_native_packed_gemm_matches_float64_for_many_rows_and_is_deterministic()
 
     torch.manual_seed(2)
     split = torch.cuda.get_device_capability() >= (9, 0)  # thread-block clusters
+    wgmma = torch.cuda.get_device_capability() == (9, 0)  # 33 to 512 rows: packed_wgmma.cu
     served = (17408, 17424) + ((4096, 6144, 4112) if split else ())
     for n, k in ((17408, 1024), (17424, 1024), (4096, 4096), (6144, 1024), (4112, 1024), (512, 576)):
         for name, (p, plain) in _weights(n, k).items():
@@ -197,7 +199,10 @@ def test_native_packed_gemm_matches_float64_for_many_rows_and_is_deterministic()
                 err_eager = float((F.linear(x, exact.to(torch.bfloat16)).double() - ref).abs().max())
                 assert err <= 6 * err_eager, (name, n, k, m, err, err_eager)
                 unpacked = F.linear(x, native.unpack(*op, torch.bfloat16))
-                if n in served and m <= 64:  # the GEMM's own arithmetic, not cuBLAS's
+                if wgmma and 33 <= m <= 512 and n % 128 == 0 and k % 128 == 0:  # Hopper: the wgmma kernel
+                    assert torch.equal(out, native.packed_wgmma(x, *op)), (name, n, k, m)
+                    assert not torch.equal(out, unpacked), (name, n, k, m)
+                elif n in served and m <= 64:  # the GEMM's own arithmetic, not cuBLAS's
                     ref_read = x.double() @ as_read.double().t()
                     err_read = float((out.double() - ref_read).abs().max())
                     assert err_read <= 8e-3 * float(ref_read.abs().max()), (name, n, k, m, err_read)
@@ -215,8 +220,8 @@ def test_native_packed_gemm_matches_float64_for_many_rows_and_is_deterministic()
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="wgmma: compute capability 9.0 (H100 / H200)")
 def test_native_packed_wgmma_matches_float64_on_the_weight_as_it_dequantizes_it():
-    """The warpgroup-MMA kernel (kernels/native/packed_wgmma.cu), every layout and group, 1 to 1024 rows (64- and
-    128-row blocks, a partial last block): within two bf16 ulps of float64 on the weight as it dequantizes it (s and m
+    """The warpgroup-MMA kernel (kernels/native/packed_wgmma.cu), every layout and group, 1 to 1024 rows (64-, 128-
+    and 256-row blocks, a partial last block): within two bf16 ulps of float64 on the weight as it dequantizes it (s and m
     in bf16, s q + m rounded once to bf16, as the packed GEMM), and within 6x of the eager bf16 product on the
     float32 dequantization; the same bits on every call; shapes it refuses are refused by name. What it checks first
     when it fails: an exactly representable case (power-of-two scales, x one-hot) names the (feature, k) read wrong."""
@@ -248,6 +253,10 @@ def test_native_packed_wgmma_matches_float64_on_the_weight_as_it_dequantizes_it(
                 err_eager = float((F.linear(x, exact.to(torch.bfloat16)).double() - ref).abs().max())
                 assert err <= 6 * err_eager, (name, n, k, m, err, err_eager)
                 assert torch.equal(native.packed_wgmma(x, *op), out), (name, n, k, m)
+                if m in (200, 300):  # every block size the kernel has (its own pick by the blocks it makes)
+                    for nb in (64, 128, 256):
+                        other = native.packed_wgmma(x, *op, nb).double()
+                        assert float((other - ref_read).abs().max()) <= 8e-3 * float(ref_read.abs().max()), (name, m, nb)
     p, _ = _weights(4112, 1024)["q4a g128"]
     with pytest.raises(RuntimeError, match="N a multiple of 128"):
         native.packed_wgmma(torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16), p.qweight, p.scales, p.mins,
@@ -259,8 +268,9 @@ def test_native_packed_linear_takes_the_gemm_with_its_folds_past_8_rows():
     gate tile of 8; on Hopper also few blocks, K split over a cluster): the decode op runs the GEMM with its folds
     (the RMSNorm before as one kernel, the eager x * rstd then the weight; SwiGLU or the residual add after; the
     rows' sums of squares), against float64 no looser than the eager bf16 model on the weight as the GEMM
-    dequantizes it; a row's bits do not depend on the rows beside it from 9 to 64 rows (blocks of 16, 32 and 64;
-    from 17 where K is split)."""
+    dequantizes it; a row's bits do not depend on the rows beside it from 9 to 32 rows (blocks of 16 and 32; from 17
+    where K is split) and from 33 to 64 (on Hopper the wgmma kernel between the norm and fold kernels where it serves
+    the weight: the same bits in a CUDA graph)."""
     from onecopy.kernels import native
     from onecopy.layouts import MMA_LAYOUT_IDS
     from onecopy.models.packed import dequantize, tile_ordered
@@ -269,6 +279,7 @@ def test_native_packed_linear_takes_the_gemm_with_its_folds_past_8_rows():
 
     torch.manual_seed(3)
     split = torch.cuda.get_device_capability() >= (9, 0)
+    wgmma = torch.cuda.get_device_capability() == (9, 0)
     for mode, group, n, k, glu, res, norm in [("int4", 128, 2 * 9232, 1024, True, False, True),  # 577 tiles: 73 blocks
                                                ("int8", 128, 17408, 1024, False, True, True),
                                                ("int4", 32, 17408, 1024, False, True, False)] + (
@@ -291,12 +302,22 @@ def test_native_packed_linear_takes_the_gemm_with_its_folds_past_8_rows():
             nrm = (g, parts[lo:hi], 1e-5) if norm else None
             return native.packed_linear(x[lo:hi], *op, residual=None if r is None else r[lo:hi], glu=glu, norm=nrm)
 
-        whole = call(0, 64)
-        for lo, hi in ((0, 9), (0, 17), (10, 40), (5, 64), (40, 64)):
-            if n < 17408 and hi - lo <= 16:  # a split weight keeps the GEMV up to 16 rows
-                continue
-            part = call(lo, hi)
-            assert torch.equal(whole[0][lo:hi], part[0]) and torch.equal(whole[1][lo:hi], part[1]), (mode, lo, hi)
+        # a row's bits from 9 to 32 rows (the GEMM) and from 33 to 64 (the GEMM, or on Hopper the wgmma kernel and
+        # the fold kernels where it serves the weight) do not depend on the rows beside it
+        for whole, spans in ((call(0, 32), ((0, 9), (0, 17), (10, 32))), (call(0, 64), ((5, 64), (24, 64)))):
+            for lo, hi in spans:
+                if n < 17408 and hi - lo <= 16:  # a split weight keeps the GEMV up to 16 rows
+                    continue
+                part = call(lo, hi)
+                assert torch.equal(whole[0][lo:hi], part[0]) and torch.equal(whole[1][lo:hi], part[1]), (mode, lo, hi)
+        if wgmma and n % 128 == 0:  # the wgmma path in a CUDA graph: the eager bits
+            eager = call(0, 64)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = call(0, 64)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1]), (mode, group, n)
         exact, as_read = dequantize(plain), _gemm_weight(plain)
         for m in (9, 17, 32, 64):
             out, ss = call(0, m)

@@ -76,10 +76,11 @@ def packed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     squares of x's rows [M, P], eps) before, SwiGLU of a gate/up weight or a residual add after). Returns
     the output [M, N'] and its rows' sums of squares per 16 outputs [M, N' / 16] (for the next norm).
     With ``invariant`` the GEMV kernel at any number of rows (a row's bits then never depend on the batch);
-    otherwise past 8 rows the packed GEMM with the same folds where it serves the weight (up to 64 rows; weights
-    of many output blocks, and on Hopper past 16 rows weights of few, their K split over a cluster of CTAs:
-    `packed_gemm`), else the GEMV up to `KERNEL_MAX_ROWS` rows and past that the weight unpacked for cuBLAS's
-    GEMM between a norm kernel and a kernel of the other folds."""
+    otherwise on Hopper from 33 to 512 rows the warpgroup-MMA kernel (`packed_wgmma`) between a norm kernel and a
+    kernel of the other folds where it serves the weight (N and K multiples of 128); else past 8 rows the packed
+    GEMM with the same folds where it serves the weight (up to 64 rows; weights of many output blocks, and on
+    Hopper past 16 rows weights of few, their K split over a cluster of CTAs), else the GEMV up to
+    `KERNEL_MAX_ROWS` rows and past that the weight unpacked for cuBLAS's GEMM between the same two kernels."""
     load()
     nw, ss, eps = norm if norm is not None else (None, None, 0.0)
     return torch.ops.onecopy_native.packed_linear(x, qweight, scales, mins, residual, nw, ss, eps, glu, layout, group,
@@ -88,20 +89,22 @@ def packed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 
 def packed_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, layout: int,
                 group: int) -> torch.Tensor:
-    """x [M, K] (bfloat16) times a tile-ordered packed weight [N, K], any M: the packed GEMM (each weight fragment
+    """x [M, K] (bfloat16) times a tile-ordered packed weight [N, K], any M: on Hopper from 33 to 512 rows the
+    warpgroup-MMA kernel (`packed_wgmma`) where it serves the weight; else the packed GEMM (each weight fragment
     dequantized in bf16 once per 64 rows) up to 64 rows for weights of at least half as many 256-output blocks as
-    the GPU has SMs, else the weight unpacked for cuBLAS."""
+    the GPU has SMs; else the weight unpacked for cuBLAS."""
     load()
     return torch.ops.onecopy_native.packed_gemm(x, qweight, scales, mins, layout, group)
 
 
 def packed_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, layout: int,
-                 group: int) -> torch.Tensor:
+                 group: int, block_rows: int = 0) -> torch.Tensor:
     """x [M, K] (bfloat16) times a tile-ordered packed weight [N, K] on Hopper's warpgroup MMA (`packed_wgmma.cu`:
     compute capability 9.0, N and K multiples of 128), the weight dequantized in registers, never written in bf16.
-    Not yet taken by the models (the GPU tests and benchmarks call it while it is measured)."""
+    `packed_gemm` and `packed_linear` take it for the rows where it is fastest; `block_rows` (64, 128 or 256 x rows a
+    CTA; 0 lets the kernel pick) is for the tests and benchmarks."""
     load()
-    return torch.ops.onecopy_native.packed_wgmma(x, qweight, scales, mins, layout, group)
+    return torch.ops.onecopy_native.packed_wgmma(x, qweight, scales, mins, layout, group, block_rows)
 
 
 def unpack(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, layout: int, group: int,
@@ -203,7 +206,7 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0], qweight.shape[0]))
 
     @torch.library.register_fake(f"{LIBRARY}::packed_wgmma")
-    def _(x, qweight, scales, mins, layout, group):
+    def _(x, qweight, scales, mins, layout, group, block_rows=0):
         return x.new_empty((x.shape[0], qweight.shape[0]))
 
     @torch.library.register_fake(f"{LIBRARY}::unpack_weight")

@@ -172,6 +172,23 @@ onecopy_native::PackedGemmPlan gemm_plan_for(int64_t m, int64_t n, int64_t k, in
   return plan.rows > 0 && (plan.k_splits > 1 ? 4 : 2) * ctas >= sms ? plan : none;
 }
 
+// Hopper's warpgroup-MMA kernel (packed_wgmma.cu) takes kWgmmaMinRows..kWgmmaMaxRows rows: there it beats both the
+// mma.sync GEMM with its folds and the unpacked weight with cuBLAS (H100, int4 g128, benchmarks/packed_gemm_cuda.py,
+// benchmarks/results/packed_gemm_wgmma_h100.json). Past the range cuBLAS on the unpacked weight is faster (its MMA
+// rate beats re-dequantizing the weight once per 128 rows); below it the GEMM's folds and short K loop pay.
+constexpr int64_t kWgmmaMinRows = 33;
+constexpr int64_t kWgmmaMaxRows = 512;
+
+bool wgmma_serves(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                  const std::optional<at::Tensor>& mins, int64_t layout, int64_t group) {
+  const int64_t m = x.size(0);
+  return m >= kWgmmaMinRows && m <= kWgmmaMaxRows && qweight.is_contiguous() && scales.is_contiguous() &&
+         aligned16(qweight) && aligned16(scales) && (!mins.has_value() || (mins->is_contiguous() && aligned16(*mins))) &&
+         onecopy_native::packed_wgmma_supported(static_cast<int>(m), static_cast<int>(qweight.size(0)),
+                                                static_cast<int>(x.size(1)), static_cast<int>(layout),
+                                                static_cast<int>(group));
+}
+
 // A packed weight's float32 scales (and mins) for [N, K] in groups of `group`: the checks every packed op makes.
 void check_scales(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                   const std::optional<at::Tensor>& mins, int64_t layout, int64_t group) {
@@ -251,27 +268,12 @@ std::tuple<at::Tensor, at::Tensor> run_gemm(const onecopy_native::PackedGemmPlan
   return {out, ss_out};
 }
 
-// x [M, K] (bfloat16) @ W^T for a tile-ordered packed weight, any M: the packed GEMM where it serves (gemm_plan_for:
-// up to 64 rows, weights of many output blocks or, on Hopper, of few with K split), else the weight unpacked to bf16
-// (one kernel) and cuBLAS.
-at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                       const std::optional<at::Tensor>& mins, int64_t layout, int64_t group) {
-  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bfloat16 [M, K]");
-  check_scales(x, qweight, scales, mins, layout, group);
-  const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0);
-  c10::cuda::CUDAGuard guard(x.device());
-  const auto plan = gemm_plan_for(m, n, k, layout, group, false);
-  if (plan.rows == 0 || !qweight.is_contiguous() || !scales.is_contiguous() || !aligned16(qweight) ||
-      !aligned16(scales) || (mins.has_value() && (!mins->is_contiguous() || !aligned16(*mins))))
-    return at::matmul(x, unpack_weight(qweight, scales, mins, layout, group, false).t());
-  return std::get<0>(run_gemm(plan, x, qweight, scales, mins, std::nullopt, std::nullopt, std::nullopt, 0.0, false,
-                              layout, group, false));
-}
-
-// x [M, K] (bfloat16) @ W^T on Hopper's warpgroup MMA (packed_wgmma.cu), the weight dequantized in registers: for the
-// GPU tests and benchmarks while it is measured; the model path still unpacks past 64 rows (packed_gemm).
+// x [M, K] (bfloat16) @ W^T on Hopper's warpgroup MMA (packed_wgmma.cu), the weight dequantized in registers, any M:
+// packed_gemm takes it for the rows it serves (wgmma_serves); the op itself is for the GPU tests and benchmarks.
 at::Tensor packed_wgmma(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
-                        const std::optional<at::Tensor>& mins, int64_t layout, int64_t group) {
+                        const std::optional<at::Tensor>& mins, int64_t layout, int64_t group, int64_t block_rows) {
+  TORCH_CHECK(block_rows == 0 || block_rows == 64 || block_rows == 128 || block_rows == 256,
+              "packed_wgmma: block_rows must be 64, 128 or 256 (0: the kernel picks), got ", block_rows);
   TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x must be bfloat16 [M, K]");
   check_scales(x_in, qweight, scales, mins, layout, group);
   const auto x = copyable_rows(x_in);
@@ -293,8 +295,27 @@ at::Tensor packed_wgmma(const at::Tensor& x_in, const at::Tensor& qweight, const
   p.stride_o = out.stride(0);
   p.m = static_cast<int>(m); p.n = static_cast<int>(n); p.k = static_cast<int>(k);
   p.group = static_cast<int>(group); p.layout = static_cast<int>(layout);
-  check_launch(onecopy_native::packed_wgmma_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "packed_wgmma");
+  check_launch(onecopy_native::packed_wgmma_launch(p, c10::cuda::getCurrentCUDAStream().stream(),
+                                                   static_cast<int>(block_rows)), "packed_wgmma");
   return out;
+}
+
+// x [M, K] (bfloat16) @ W^T for a tile-ordered packed weight, any M: on Hopper the warpgroup-MMA kernel where it
+// serves (wgmma_serves: 33-512 rows), else the packed GEMM where it serves (gemm_plan_for: up to 64 rows, weights of
+// many output blocks or, on Hopper, of few with K split), else the weight unpacked to bf16 (one kernel) and cuBLAS.
+at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& mins, int64_t layout, int64_t group) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bfloat16 [M, K]");
+  check_scales(x, qweight, scales, mins, layout, group);
+  const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0);
+  c10::cuda::CUDAGuard guard(x.device());
+  if (wgmma_serves(x, qweight, scales, mins, layout, group)) return packed_wgmma(x, qweight, scales, mins, layout, group, 0);
+  const auto plan = gemm_plan_for(m, n, k, layout, group, false);
+  if (plan.rows == 0 || !qweight.is_contiguous() || !scales.is_contiguous() || !aligned16(qweight) ||
+      !aligned16(scales) || (mins.has_value() && (!mins->is_contiguous() || !aligned16(*mins))))
+    return at::matmul(x, unpack_weight(qweight, scales, mins, layout, group, false).t());
+  return std::get<0>(run_gemm(plan, x, qweight, scales, mins, std::nullopt, std::nullopt, std::nullopt, 0.0, false,
+                              layout, group, false));
 }
 
 // Past kKernelMaxRows rows, where the GEMM does not serve the weight (gemm_plan_for), the weight is unpacked for
@@ -382,6 +403,8 @@ std::tuple<at::Tensor, at::Tensor> packed_linear(const at::Tensor& x_in, const a
   // 16 rows (H100, int4 g128 at 16 rows, GEMV / GEMM: o 10.7 / 12.8 us, qkv 17.6 / 14.2, down 29.8 / 32.8; at 32
   // rows the GEMM: 17.1 / 16.5, 29.6 / 18.1, 49.5 / 42.5). Past kKernelMaxRows (32) the GEMV re-reads each weight
   // tile once per 32 rows: the unpacked weight and cuBLAS. The batch-invariant decode keeps the GEMV.
+  if (!invariant && wgmma_serves(x, qweight, scales, mins, layout, group))  // folds around it, as around cuBLAS
+    return packed_linear_by_gemm(x, qweight, scales, mins, residual, norm_weight, ss, eps, glu, layout, group);
   if (!invariant && m > 8) {
     const auto plan = gemm_plan_for(m, n, k, layout, group, glu);
     if (plan.rows > 0 && (plan.k_splits == 1 || m > 16))
@@ -499,7 +522,7 @@ TORCH_LIBRARY(onecopy_native, m) {
         "Tensor? ss, float eps, bool glu, int layout, int group, bool invariant=False) -> (Tensor, Tensor)");
   m.def("unpack_weight(Tensor qweight, Tensor scales, Tensor? mins, int layout, int group, bool half) -> Tensor");
   m.def("packed_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int layout, int group) -> Tensor");
-  m.def("packed_wgmma(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int layout, int group) -> Tensor");
+  m.def("packed_wgmma(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int layout, int group, int block_rows=0) -> Tensor");
   m.def("fp8_linear(Tensor x, Tensor w, Tensor ws) -> Tensor");
   m.def("fp8_glu_linear(Tensor x, Tensor w, Tensor ws) -> Tensor");
 }

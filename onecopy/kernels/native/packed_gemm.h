@@ -77,6 +77,7 @@ int fold_rows_launch(const FoldRowsParams& p, cudaStream_t stream);
 // registers (no bf16 copy of it); PackedGemmParams' x, w, s, mn, out and sizes, no folds (nw, res, glu, ss_out unset).
 // Supported: compute capability 9.0, N a multiple of 128, K of 128, packed_linear_supported's layouts and groups.
 bool packed_wgmma_supported(int m, int n, int k, int layout, int group);
-int packed_wgmma_launch(const PackedGemmParams& p, cudaStream_t stream);  // 0, -1 (unsupported) or a CUDA error
+// block_rows: x rows a CTA (64, 128 or 256; 0: the launch picks)
+int packed_wgmma_launch(const PackedGemmParams& p, cudaStream_t stream, int block_rows = 0);  // 0, -1 or a CUDA error
 
 }  // namespace onecopy_native

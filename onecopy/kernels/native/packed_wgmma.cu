@@ -2,8 +2,7 @@
 // registers as wgmma's A, x's rows read by the tensor cores from shared memory as B, so that past 64 rows and in
 // prefill the weight is never written out in bf16 (the op unpacks it for cuBLAS there: at 1k rows 6.5 ms of an 8B
 // model's 31.5 ms TTFT on the H100, 95% of copy bandwidth). Design and sources: docs/research/wgmma_packed_gemm.md.
-// First version, not yet run on a GPU: the op `packed_wgmma` exposes it for the GPU tests and benchmarks; the model
-// path does not take it until it is measured.
+// ops.cpp's packed_gemm and the decode op take it for the rows where it measures fastest (wgmma_serves).
 //
 // Why it fits the tile order: wgmma's register A for m64nNk16 is, for warp w of the warpgroup, rows 16w..16w+15 in
 // mma.sync m16n8k16's A layout, which is what a lane's 16-byte fragment unpacks into (dequant_step) -- but for the
@@ -12,11 +11,12 @@
 // fragment words from the words of lanes 4g + t/2 and 4g + 2 + t/2 (one byte permute a word; the same selector for
 // int4 and int8), and x stays in its natural order in shared memory.
 //
-// A CTA: 2 warpgroups (8 warps, warp w one 16-feature tile: 128 outputs), NB rows of x (64 or 128: wgmma's N), K in
+// A CTA: 2 warpgroups (8 warps, warp w one 16-feature tile: 128 outputs), NB rows of x (64, 128 or 256: wgmma's N), K in
 // stages of 128 values through a cp.async ring (weights, scales, x in two 64-K boxes of NB rows x 128 bytes with the
 // 128-byte swizzle). A stage: each warp's 8 A fragments (its tile, 8 k16 steps) dequantized with their groups' scale
 // and min (s q + m in one bf16x2 FMA, s and m rounded to bf16 first: packed_gemm's arithmetic), one wgmma a step for
-// its warpgroup's 64 outputs, then wait. Where the blocks fill under half the SMs (a 4096-output weight at up to a
+// its warpgroup's 64 outputs issued as soon as its A is ready (the next step's dequantization overlaps it), then
+// wait at the stage's end. Where the blocks fill under half the SMs (a 4096-output weight at up to a
 // few hundred rows: 32-64 CTAs) K is split over a cluster of 2-4 CTAs and their fp32 sums added in rank order through
 // distributed shared memory, as packed_gemm does. No folds (the op's norm and fold kernels run around it).
 
@@ -54,7 +54,8 @@ struct WgShape {
   static constexpr int kScaleWords = kScaleRows * kWgTiles * kGroups * 4;
   static constexpr int kRaw = kXBytes + 16 * (kWords + kScaleWords);
   static constexpr int kStageBytes = (kRaw + 1023) / 1024 * 1024;     // each stage's x 1024-byte aligned
-  static constexpr int kFit = ONECOPY_WGMMA_RING_KB * 1024 / kStageBytes;
+  // 256 rows' x (64 KB a stage) take the most shared memory the H100 gives a block (227 KB) for three stages
+  static constexpr int kFit = (NB == 256 ? 225 : ONECOPY_WGMMA_RING_KB) * 1024 / kStageBytes;
   static constexpr int kStages = kFit > 6 ? 6 : kFit < 2 ? 2 : kFit;
   static constexpr int kPartialBytes = 8 * (NB / 8) * 32 * 16;          // a K split's sums: [warp][n8 block][lane]
   static constexpr int kRing = kStages * kStageBytes > kPartialBytes ? kStages * kStageBytes : kPartialBytes;
@@ -107,15 +108,11 @@ __global__ void __launch_bounds__(kWgThreads, 1) packed_wgmma_kernel(PackedGemmP
   }
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(p.x) + static_cast<int64_t>(row0) * p.stride_x;
   const int mb = min(p.m - row0, NB);
-  int x_src[kXPer];
-  uint32_t x_dst[kXPer], x_live = 0;
-#pragma unroll
-  for (int c = 0; c < kXPer; ++c) {
-    const int i = tid + c * kWgThreads, r = i / 16, piece = i % 16, half = piece / 8, c8 = piece % 8;
-    x_src[c] = static_cast<int>(r * p.stride_x) + 8 * piece;
-    x_dst[c] = half * NB * 128 + 128 * r + 16 * (c8 ^ (r & 7));
-    x_live |= r < mb ? 1u << c : 0u;
-  }
+  // piece (tid % 16) of rows tid / 16 + 16 c: the row's swizzle (r % 8) is the same for every c
+  constexpr int kRowStep = kWgThreads / 16;
+  const int r0 = tid / 16, piece = tid % 16;
+  const int x_src0 = static_cast<int>(r0 * p.stride_x) + 8 * piece;
+  const uint32_t x_dst0 = (piece / 8) * NB * 128 + 128 * r0 + 16 * ((piece % 8) ^ (r0 & 7));
   const auto load_weights = [&](int slot, int st) {
     const uint32_t at = base_at + slot * S::kStageBytes + S::kXBytes + 16 * tid;
 #pragma unroll
@@ -128,7 +125,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) packed_wgmma_kernel(PackedGemmP
     const uint32_t at = base_at + slot * S::kStageBytes;
 #pragma unroll
     for (int c = 0; c < kXPer; ++c)
-      if (x_live >> c & 1) copy_async16(at + x_dst[c], x + x_src[c] + st * kWgStageK);
+      if (r0 + kRowStep * c < mb)
+        copy_async16(at + x_dst0 + 128 * kRowStep * c, x + x_src0 + static_cast<int64_t>(kRowStep * c) * p.stride_x +
+                                                           st * kWgStageK);
   };
 
   fill_ring<kStages>(n_st, st0, load_weights, load_x);
@@ -152,7 +151,11 @@ __global__ void __launch_bounds__(kWgThreads, 1) packed_wgmma_kernel(PackedGemmP
     unsigned char* stage = base + (it % kStages) * S::kStageBytes;
     const uint4* ws = reinterpret_cast<const uint4*>(stage + S::kXBytes);
     const float* ss = reinterpret_cast<const float*>(ws + S::kWords);
+    const uint32_t x_at = base_at + (it % kStages) * S::kStageBytes;
+    // Each k16 step's A is dequantized while the tensor cores run the steps before it (wgmma is asynchronous and
+    // every step has its own registers): the fence orders the step's register writes before its MMA.
     uint32_t a[S::kChunks * S::kSteps][4];
+    pin(acc);
 #pragma unroll
     for (int cc = 0; cc < S::kChunks; ++cc) {
       const uint4 wa = ws[(lt * S::kChunks + cc) * 32 + pick_a], wb = ws[(lt * S::kChunks + cc) * 32 + pick_b];
@@ -166,14 +169,11 @@ __global__ void __launch_bounds__(kWgThreads, 1) packed_wgmma_kernel(PackedGemmP
         const uint32_t s2[2] = {pack_bf16(sc[g], sc[g]), pack_bf16(sc[g + 8], sc[g + 8])};
         const uint32_t m2[2] = {L == kQ4aMma ? pack_bf16(mn[g], mn[g]) : 0u, L == kQ4aMma ? pack_bf16(mn[g + 8], mn[g + 8]) : 0u};
         dequant_scaled<L>(wv, j, s2, m2, a[js]);
+        pin(a[js]);
+        wgmma_fence();
+        wgmma_step(acc, a[js], b_desc(x_at + (js / 4) * NB * 128 + 32 * (js % 4)));
       }
     }
-    const uint32_t x_at = base_at + (it % kStages) * S::kStageBytes;
-    pin(acc);
-    wgmma_fence();  // the A registers (and, the first time, the accumulators) were written by ordinary instructions
-#pragma unroll
-    for (int js = 0; js < S::kChunks * S::kSteps; ++js)
-      wgmma_step(acc, a[js], b_desc(x_at + (js / 4) * NB * 128 + 32 * (js % 4)));
     wgmma_commit();
     wgmma_wait0();  // before a's registers are rewritten and before this slot is refilled
     pin(acc);
@@ -200,6 +200,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) packed_wgmma_kernel(PackedGemmP
 template <int L, int GROUP>
 const void* wg_kernel(int nb, size_t& smem) {
   if (nb == 64) { smem = WgShape<L, GROUP, 64>::kBytes; return reinterpret_cast<const void*>(packed_wgmma_kernel<L, GROUP, 64>); }
+  if (nb == 256) { smem = WgShape<L, GROUP, 256>::kBytes; return reinterpret_cast<const void*>(packed_wgmma_kernel<L, GROUP, 256>); }
   smem = WgShape<L, GROUP, 128>::kBytes;
   return reinterpret_cast<const void*>(packed_wgmma_kernel<L, GROUP, 128>);
 }
@@ -219,10 +220,19 @@ bool packed_wgmma_supported(int m, int n, int k, int layout, int group) {
   return device_attribute(cudaDevAttrComputeCapabilityMajor) == 9 && device_attribute(cudaDevAttrComputeCapabilityMinor) == 0;
 }
 
-int packed_wgmma_launch(const PackedGemmParams& p, cudaStream_t stream) {
+int packed_wgmma_launch(const PackedGemmParams& p, cudaStream_t stream, int block_rows) {
   if (!packed_wgmma_supported(p.m, p.n, p.k, p.layout, p.group)) return -1;
   if (p.nw != nullptr || p.res != nullptr || p.glu || p.ss_out != nullptr) return -1;  // no folds here
-  const int nb = p.m <= 64 ? 64 : 128;
+  if (block_rows != 0 && block_rows != 64 && block_rows != 128 && block_rows != 256) return -1;
+  // A block's rows: the fewest that hold them all up to 128; past that 256 (the weight dequantized once per 256
+  // rows) where that still makes 64 blocks, else 128 (H100, int4 g128, 256 rows: the 4096-output weights 22 / 67 us
+  // at 128 rows a CTA against 33 / 100 at 256; the gate/up weight 121 against 151; packed_gemm_wgmma_h100.json).
+  const int col_blocks = p.n / (16 * kWgTiles);
+  const int nb = block_rows                                 ? block_rows
+                 : p.m <= 64                                ? 64
+                 : p.m <= 128                               ? 128
+                 : col_blocks * ((p.m + 255) / 256) >= 64   ? 256
+                                                            : 128;
   size_t smem = 0;
   const void* kernel = for_layout_and_group(p.layout, p.group, WgPick{nb, &smem});
   if (!smem_fits(kernel, smem)) return -1;
