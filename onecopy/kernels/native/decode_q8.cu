@@ -73,13 +73,17 @@ __device__ __forceinline__ uint32_t cvt2(uint32_t w) {
   if constexpr (FP8) {
     uint32_t r;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
-    __trap();  // no e4m3 conversion before sm_89: the host never launches fp8 there (native.supported)
-#endif
+    // no e4m3 conversion before sm_89 (ptxas refuses the cvt, so the library would not build for an A100): the
+    // host never launches fp8 there (native.supported)
+    r = w;
+    __trap();
+#else
     if constexpr (HI) {
       asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, hi; }" : "=r"(r) : "r"(w));
     } else {
       asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, lo; }" : "=r"(r) : "r"(w));
     }
+#endif
     return r;
   } else {
     uint32_t h = prmt(w, 0x64646464u, HI ? 0x4342u : 0x4140u);
