@@ -251,6 +251,13 @@ __device__ __forceinline__ void wgmma_wait0() {
   __trap();
 #endif
 }
+__device__ __forceinline__ void wgmma_wait1() {
+#ifdef ONECOPY_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
 // Shared memory written by ordinary stores or cp.async, made visible to the async proxy (wgmma's reads of B).
 __device__ __forceinline__ void proxy_fence() {
 #ifdef ONECOPY_WGMMA

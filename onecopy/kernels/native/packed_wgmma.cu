@@ -41,6 +41,15 @@ constexpr int kWgStageK = 128;   // K values a stage
 #ifndef ONECOPY_WGMMA_RING_KB
 #define ONECOPY_WGMMA_RING_KB 200
 #endif
+// Build-time variants for benchmarks/packed_wgmma_harness.cu (not yet measured; off by default): CTAs a SM for 64-row
+// blocks (the ring split between them), and a stage's MMAs left in flight while the next stage is dequantized (A
+// double-buffered in registers, the ring one stage shallower; blocks of up to 128 rows: 256 have no registers left).
+#ifndef ONECOPY_WGMMA_MIN_BLOCKS
+#define ONECOPY_WGMMA_MIN_BLOCKS 1
+#endif
+#ifndef ONECOPY_WGMMA_PIPELINE
+#define ONECOPY_WGMMA_PIPELINE 0
+#endif
 
 template <int L, int GROUP, int NB>
 struct WgShape {
@@ -55,8 +64,11 @@ struct WgShape {
   static constexpr int kRaw = kXBytes + 16 * (kWords + kScaleWords);
   static constexpr int kStageBytes = (kRaw + 1023) / 1024 * 1024;     // each stage's x 1024-byte aligned
   // 256 rows' x (64 KB a stage) take the most shared memory the H100 gives a block (227 KB) for three stages
-  static constexpr int kFit = (NB == 256 ? 225 : ONECOPY_WGMMA_RING_KB) * 1024 / kStageBytes;
+  static constexpr int kBlocksPerSm = NB == 64 ? ONECOPY_WGMMA_MIN_BLOCKS : 1;
+  static constexpr int kFit = (NB == 256 ? 225 : ONECOPY_WGMMA_RING_KB / kBlocksPerSm) * 1024 / kStageBytes;
   static constexpr int kStages = kFit > 6 ? 6 : kFit < 2 ? 2 : kFit;
+  static constexpr bool kPipe = ONECOPY_WGMMA_PIPELINE && NB <= 128 && kStages >= 3;
+  static constexpr int kAhead = kPipe ? kStages - 2 : kStages - 1;     // stages in flight ahead of the one in use
   static constexpr int kPartialBytes = 8 * (NB / 8) * 32 * 16;          // a K split's sums: [warp][n8 block][lane]
   static constexpr int kRing = kStages * kStageBytes > kPartialBytes ? kStages * kStageBytes : kPartialBytes;
   static constexpr int kBytes = kRing + 1024;                            // + room to align the base to 1024
@@ -70,7 +82,7 @@ struct WgShape {
 }
 
 template <int L, int GROUP, int NB>
-__global__ void __launch_bounds__(kWgThreads, 1) packed_wgmma_kernel(PackedGemmParams p) {
+__global__ void __launch_bounds__(kWgThreads, WgShape<L, GROUP, NB>::kBlocksPerSm) packed_wgmma_kernel(PackedGemmParams p) {
   using S = WgShape<L, GROUP, NB>;
   static_assert(S::kChunks * S::kSteps == 8 && NB % 64 == 0, "a stage is 8 k16 steps; NB a multiple of 64");
 #ifdef ONECOPY_WGMMA
@@ -130,7 +142,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) packed_wgmma_kernel(PackedGemmP
                                                            st * kWgStageK);
   };
 
-  fill_ring<kStages>(n_st, st0, load_weights, load_x);
+  fill_ring<S::kAhead + 1>(n_st, st0, load_weights, load_x);
 
   const int lt = warp;                 // this warp's tile in the CTA
   const int pick_a = 4 * g + (t >> 1), pick_b = pick_a + 2;  // the lanes whose words hold this lane's k slots
@@ -138,11 +150,13 @@ __global__ void __launch_bounds__(kWgThreads, 1) packed_wgmma_kernel(PackedGemmP
   float acc[NB / 2];
 #pragma unroll
   for (int i = 0; i < NB / 2; ++i) acc[i] = 0.f;
-  for (int it = 0; it < n_st; ++it) {
-    copies_wait<kStages - 2>();
+  // Stage `it` in ring slot it % kStages, its A in `a`: the stages after it are copied ahead (kAhead); the slot
+  // refilled here held the last stage whose MMAs have retired (every warp waited for them before the barrier).
+  const auto run_stage = [&](int it, uint32_t (&a)[8][4]) {
+    copies_wait<S::kAhead - 1>();
     proxy_fence();    // this thread's landed x bytes, to wgmma's async proxy
     __syncthreads();  // everyone's stage it is in; every warpgroup is done with the slot the next copies overwrite
-    const int next = it + kStages - 1;
+    const int next = it + S::kAhead;
     if (next < n_st) {
       load_weights(next % kStages, st0 + next);
       load_x(next % kStages, st0 + next);
@@ -154,7 +168,6 @@ __global__ void __launch_bounds__(kWgThreads, 1) packed_wgmma_kernel(PackedGemmP
     const uint32_t x_at = base_at + (it % kStages) * S::kStageBytes;
     // Each k16 step's A is dequantized while the tensor cores run the steps before it (wgmma is asynchronous and
     // every step has its own registers): the fence orders the step's register writes before its MMA.
-    uint32_t a[S::kChunks * S::kSteps][4];
     pin(acc);
 #pragma unroll
     for (int cc = 0; cc < S::kChunks; ++cc) {
@@ -175,8 +188,23 @@ __global__ void __launch_bounds__(kWgThreads, 1) packed_wgmma_kernel(PackedGemmP
       }
     }
     wgmma_commit();
-    wgmma_wait0();  // before a's registers are rewritten and before this slot is refilled
+    // retire this stage's MMAs before `a` is rewritten and its slot refilled; pipelined, the previous stage's (the
+    // other `a`, the slot refilled next)
+    if constexpr (S::kPipe) wgmma_wait1(); else wgmma_wait0();
     pin(acc);
+  };
+  static_assert(S::kChunks * S::kSteps == 8, "a stage's A: 8 k16 steps");
+  if constexpr (S::kPipe) {
+    uint32_t a0[8][4], a1[8][4];
+    for (int it = 0; it < n_st; it += 2) {
+      run_stage(it, a0);
+      if (it + 1 < n_st) run_stage(it + 1, a1);
+    }
+    wgmma_wait0();
+    pin(acc);
+  } else {
+    uint32_t a[8][4];
+    for (int it = 0; it < n_st; ++it) run_stage(it, a);
   }
   copies_wait<0>();
   // K split over the cluster: warp w's sums added up, in rank order, by rank w % splits
