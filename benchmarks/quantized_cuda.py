@@ -4,8 +4,10 @@ Usage (on a CUDA machine, from the repository root):
     python benchmarks/quantized_cuda.py --source llama3-8b-8l --variants bf16,int8:128,int4:128,int4:128:triton,fp8 \
         --sessions 16,64 --peers torch.compile,tinygemm --out benchmarks/results/quantized_llama3-8b-8l_h100.json
 
-A variant is mode[:group][:triton]; ``:triton`` exports without the native CUDA kernels (the Triton packed kernel
-in the stored order: what the native kernels replace). Peers (``--peers``), measured as onecopy's batch-1 decode
+A variant is mode[:group][:triton][@kv]; ``:triton`` exports without the native CUDA kernels (the Triton packed kernel
+in the stored order: what the native kernels replace); ``@int8`` / ``@fp8`` exports an 8-bit KV cache (``kv_dtype``:
+how an FP8 deployment runs many sessions, where attention over a bf16 cache bounds any weight format), its floor
+counting the 8-bit values and their scales. Peers (``--peers``), measured as onecopy's batch-1 decode
 step is (a 1k prompt, then one decode step at a time, CUDA-event timed): ``torch.compile`` (gpt-fast's recipe,
 `bench.peers.CompiledPeer`) on the bf16 variant's weights, ``tinygemm`` (the same with torch's int4 GEMM,
 `bench.peers.TinygemmPeer`) on the int4:128 variant's own int4 values.
@@ -89,14 +91,16 @@ def main() -> None:
     batches = [int(b) for b in str(a.sessions).split(",")]
     peers = [p for p in a.peers.split(",") if p]
     for variant in a.variants.split(","):
-        mode, _, rest = variant.partition(":")
+        spec, _, kv_dtype = variant.partition("@")
+        mode, _, rest = spec.partition(":")
         group, _, kernels = rest.partition(":")
         quant = None if mode == "bf16" else mode
-        bundle = Path(a.work) / variant.replace(":", "-")
+        bundle = Path(a.work) / variant.replace(":", "-").replace("@", "-kv-")
         t0 = time.perf_counter()
         if not a.reuse:
             onecopy.export(src, bundle, max_seq_len=a.max_seq_len, device="cuda", overwrite=True, progress=False,
-                           quantize=quant, group_size=int(group or 128), native_kernels=kernels != "triton")
+                           quantize=quant, group_size=int(group or 128), native_kernels=kernels != "triton",
+                           kv_dtype=kv_dtype or None)
             (bundle.parent / f"{bundle.name}.export_s").write_text(f"{time.perf_counter() - t0:.1f}")
         if a.export_only:
             continue
@@ -129,7 +133,7 @@ def main() -> None:
                 s.prefill(prompt[:-1] + [i])  # distinct prompts: no shared prefix blocks at the end
                 sessions.append(s)
             step1 = decode_step_ms(engine, sessions[0])
-            w, kv = floor_bytes(weights, cfg, a.prompt_len)
+            w, kv = floor_bytes(weights, cfg, a.prompt_len, kv_8bit=bool(kv_dtype))
             row.update(decode_ms_b1=round(step1, 4), tok_s_b1=round(1000 / step1, 1),
                        floor_ms_b1=round(1000 * (w + kv) / bw, 4), share_of_floor_b1=round(1000 * (w + kv) / bw / step1, 3))
             for b in batches:

@@ -43,6 +43,8 @@ def test_the_floor_leaves_out_the_gathered_embedding_table():
     weights, kv = floor_bytes(w, cfg, context=100)
     assert weights == 2 * (8 + 8000)  # norm + LM head; the embedding table is gathered, not read
     assert kv == 2 * 2 * 1 * 4 * 2 * 100  # layers x (K, V) x kv_heads x head_dim x bf16 x positions
+    # an 8-bit cache: head_dim bytes and a float32 scale per position and head
+    assert floor_bytes(w, cfg, context=100, kv_8bit=True)[1] == 2 * 2 * 1 * (4 + 4) * 100
     tied = LlamaConfig(vocab_size=1000, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, intermediate_size=16,
                        tie_embeddings=True)
     w.pop("output.weight")

@@ -41,14 +41,16 @@ def copy_bandwidth() -> float:
     return 2 * 2**31 / statistics.median(times)
 
 
-def floor_bytes(weights: dict[str, Any], cfg: LlamaConfig, context: int) -> tuple[int, int]:
-    """(weight bytes a decode step reads, KV bytes it reads at ``context`` filled positions)."""
+def floor_bytes(weights: dict[str, Any], cfg: LlamaConfig, context: int, kv_8bit: bool = False) -> tuple[int, int]:
+    """(weight bytes a decode step reads, KV bytes it reads at ``context`` filled positions); ``kv_8bit``: a cache of
+    8-bit values with a float32 scale per position and head (``kv_dtype`` int8 / fp8)."""
     nbytes = {k: v.numel() * v.element_size() for k, v in weights.items()}
     w = sum(nbytes.values())
     if not cfg.tie_embeddings:  # gathered one row, not read (float, or packed from a GGUF)
         w -= sum(n for f, n in nbytes.items() if f.startswith("tok_embeddings."))
     itemsize = weights["norm.weight"].element_size()  # the model dtype (the KV's)
-    kv = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * itemsize * context
+    per_head = cfg.head_dim + 4 if kv_8bit else cfg.head_dim * itemsize
+    kv = cfg.n_layers * 2 * cfg.n_kv_heads * per_head * context
     return w, kv
 
 
@@ -164,14 +166,16 @@ def bench_decode(source: str, bundle: Path, *, prompt_lens: list[int], max_seq_l
 
         gc.collect()
         torch.cuda.empty_cache()  # the export's model and activations: not the engine's memory
-    cfg = LlamaConfig.from_dict(read_manifest(bundle).config)
+    manifest = read_manifest(bundle)
+    cfg = LlamaConfig.from_dict(manifest.config)
+    kv_8bit = any(k.endswith(("k_scale", "v_scale")) for k in manifest.state)  # an 8-bit cache (kv_quant)
     bw = copy_bandwidth()
     res["copy_bandwidth_TBps"] = round(bw / 1e12, 3)
     g = torch.Generator().manual_seed(0)
     prompts = {n: torch.randint(0, cfg.vocab_size - 1, (n,), generator=g).tolist() for n in prompt_lens}
 
     def floor_ms(n: int) -> tuple[float, dict]:
-        w, kv = floor_bytes(weights, cfg, n + new_tokens // 2)  # the mean context over the decode
+        w, kv = floor_bytes(weights, cfg, n + new_tokens // 2, kv_8bit)  # the mean context over the decode
         return 1000 * (w + kv) / bw, {"weight_bytes_read": w, "kv_bytes_read": kv}
 
     t0 = time.perf_counter()
