@@ -63,7 +63,8 @@ struct WgShape {
   static constexpr int kScaleWords = kScaleRows * kWgTiles * kGroups * 4;
   static constexpr int kRaw = kXBytes + 16 * (kWords + kScaleWords);
   static constexpr int kStageBytes = (kRaw + 1023) / 1024 * 1024;     // each stage's x 1024-byte aligned
-  // 256 rows' x (64 KB a stage) take the most shared memory the H100 gives a block (227 KB) for three stages
+  // 256 rows' x (64 KB a stage) take the most shared memory the H100 gives a block (227 KB): three stages for int4
+  // with groups of 64 or 128, two for q4a g32 and int8 (their weights and scales make a stage 76-81 KB)
   static constexpr int kBlocksPerSm = NB == 64 ? ONECOPY_WGMMA_MIN_BLOCKS : 1;
   static constexpr int kFit = (NB == 256 ? 225 : ONECOPY_WGMMA_RING_KB / kBlocksPerSm) * 1024 / kStageBytes;
   static constexpr int kStages = kFit > 6 ? 6 : kFit < 2 ? 2 : kFit;
@@ -151,7 +152,7 @@ __global__ void __launch_bounds__(kWgThreads, WgShape<L, GROUP, NB>::kBlocksPerS
 #pragma unroll
   for (int i = 0; i < NB / 2; ++i) acc[i] = 0.f;
   // Stage `it` in ring slot it % kStages, its A in `a`: the stages after it are copied ahead (kAhead); the slot
-  // refilled here held the last stage whose MMAs have retired (every warp waited for them before the barrier).
+  // refilled here held stage it - 1 (it - 2 pipelined), whose MMAs every warp retired before the barrier.
   const auto run_stage = [&](int it, uint32_t (&a)[8][4]) {
     copies_wait<S::kAhead - 1>();
     proxy_fence();    // this thread's landed x bytes, to wgmma's async proxy
@@ -193,13 +194,16 @@ __global__ void __launch_bounds__(kWgThreads, WgShape<L, GROUP, NB>::kBlocksPerS
     if constexpr (S::kPipe) wgmma_wait1(); else wgmma_wait0();
     pin(acc);
   };
-  static_assert(S::kChunks * S::kSteps == 8, "a stage's A: 8 k16 steps");
   if constexpr (S::kPipe) {
+    // pairs of stages with no branch between them (a group in flight across a conditional made ptxas serialize
+    // the MMAs: C7513), then an odd last stage
     uint32_t a0[8][4], a1[8][4];
-    for (int it = 0; it < n_st; it += 2) {
+    int it = 0;
+    for (; it + 1 < n_st; it += 2) {
       run_stage(it, a0);
-      if (it + 1 < n_st) run_stage(it + 1, a1);
+      run_stage(it + 1, a1);
     }
+    if (it < n_st) run_stage(it, a0);
     wgmma_wait0();
     pin(acc);
   } else {
