@@ -179,11 +179,16 @@ onecopy_native::PackedGemmPlan gemm_plan_for(int64_t m, int64_t n, int64_t k, in
 constexpr int64_t kWgmmaMinRows = 33;
 constexpr int64_t kWgmmaMaxRows = 512;
 
+// Whether the packed GEMMs can copy the weight, scales and mins 16 bytes at a time (cp.async): contiguous, aligned.
+bool copyable_weight(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins) {
+  return qweight.is_contiguous() && scales.is_contiguous() && aligned16(qweight) && aligned16(scales) &&
+         (!mins.has_value() || (mins->is_contiguous() && aligned16(*mins)));
+}
+
 bool wgmma_serves(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                   const std::optional<at::Tensor>& mins, int64_t layout, int64_t group) {
   const int64_t m = x.size(0);
-  return m >= kWgmmaMinRows && m <= kWgmmaMaxRows && qweight.is_contiguous() && scales.is_contiguous() &&
-         aligned16(qweight) && aligned16(scales) && (!mins.has_value() || (mins->is_contiguous() && aligned16(*mins))) &&
+  return m >= kWgmmaMinRows && m <= kWgmmaMaxRows && copyable_weight(qweight, scales, mins) &&
          onecopy_native::packed_wgmma_supported(static_cast<int>(m), static_cast<int>(qweight.size(0)),
                                                 static_cast<int>(x.size(1)), static_cast<int>(layout),
                                                 static_cast<int>(group));
@@ -268,25 +273,11 @@ std::tuple<at::Tensor, at::Tensor> run_gemm(const onecopy_native::PackedGemmPlan
   return {out, ss_out};
 }
 
-// x [M, K] (bfloat16) @ W^T on Hopper's warpgroup MMA (packed_wgmma.cu), the weight dequantized in registers, any M:
-// packed_gemm takes it for the rows it serves (wgmma_serves); the op itself is for the GPU tests and benchmarks.
-at::Tensor packed_wgmma(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
-                        const std::optional<at::Tensor>& mins, int64_t layout, int64_t group, int64_t block_rows) {
-  TORCH_CHECK(block_rows == 0 || block_rows == 64 || block_rows == 128 || block_rows == 256,
-              "packed_wgmma: block_rows must be 64, 128 or 256 (0: the kernel picks), got ", block_rows);
-  TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x must be bfloat16 [M, K]");
-  check_scales(x_in, qweight, scales, mins, layout, group);
+// x [M, K] @ W^T on Hopper's warpgroup MMA once the operands are checked (packed_wgmma, or wgmma_serves).
+at::Tensor run_wgmma(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& mins, int64_t layout, int64_t group, int64_t block_rows) {
   const auto x = copyable_rows(x_in);
   const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0);
-  if (m == 0) return at::empty({0, n}, x.options());
-  c10::cuda::CUDAGuard guard(x.device());
-  TORCH_CHECK(onecopy_native::packed_wgmma_supported(static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
-                                                     static_cast<int>(layout), static_cast<int>(group)),
-              "packed_wgmma: needs compute capability 9.0 (sm_90a), N a multiple of 128 and K of 128, got [", n, ", ",
-              k, "]");
-  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && aligned16(qweight) && aligned16(scales) &&
-                  (!mins.has_value() || (mins->is_contiguous() && aligned16(*mins))),
-              "packed_wgmma: qweight, scales and mins must be contiguous and 16-byte aligned");
   auto out = at::empty({m, n}, x.options());
   onecopy_native::PackedGemmParams p{};
   std::vector<at::Tensor> keep;  // no folds: set_operands copies nothing
@@ -300,6 +291,26 @@ at::Tensor packed_wgmma(const at::Tensor& x_in, const at::Tensor& qweight, const
   return out;
 }
 
+// x [M, K] (bfloat16) @ W^T on Hopper's warpgroup MMA (packed_wgmma.cu), the weight dequantized in registers, any M:
+// packed_gemm takes it for the rows it serves (wgmma_serves); the op itself is for the GPU tests and benchmarks.
+at::Tensor packed_wgmma(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& mins, int64_t layout, int64_t group, int64_t block_rows) {
+  TORCH_CHECK(block_rows == 0 || block_rows == 64 || block_rows == 128 || block_rows == 256,
+              "packed_wgmma: block_rows must be 64, 128 or 256 (0: the kernel picks), got ", block_rows);
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bfloat16 [M, K]");
+  check_scales(x, qweight, scales, mins, layout, group);
+  const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0);
+  if (m == 0) return at::empty({0, n}, x.options());
+  c10::cuda::CUDAGuard guard(x.device());
+  TORCH_CHECK(onecopy_native::packed_wgmma_supported(static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
+                                                     static_cast<int>(layout), static_cast<int>(group)),
+              "packed_wgmma: needs compute capability 9.0 (sm_90a), N a multiple of 128 and K of 128, got [", n, ", ",
+              k, "]");
+  TORCH_CHECK(copyable_weight(qweight, scales, mins),
+              "packed_wgmma: qweight, scales and mins must be contiguous and 16-byte aligned");
+  return run_wgmma(x, qweight, scales, mins, layout, group, block_rows);
+}
+
 // x [M, K] (bfloat16) @ W^T for a tile-ordered packed weight, any M: on Hopper the warpgroup-MMA kernel where it
 // serves (wgmma_serves: 33-512 rows), else the packed GEMM where it serves (gemm_plan_for: up to 64 rows, weights of
 // many output blocks or, on Hopper, of few with K split), else the weight unpacked to bf16 (one kernel) and cuBLAS.
@@ -309,10 +320,9 @@ at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& qweight, const at:
   check_scales(x, qweight, scales, mins, layout, group);
   const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0);
   c10::cuda::CUDAGuard guard(x.device());
-  if (wgmma_serves(x, qweight, scales, mins, layout, group)) return packed_wgmma(x, qweight, scales, mins, layout, group, 0);
+  if (wgmma_serves(x, qweight, scales, mins, layout, group)) return run_wgmma(x, qweight, scales, mins, layout, group, 0);
   const auto plan = gemm_plan_for(m, n, k, layout, group, false);
-  if (plan.rows == 0 || !qweight.is_contiguous() || !scales.is_contiguous() || !aligned16(qweight) ||
-      !aligned16(scales) || (mins.has_value() && (!mins->is_contiguous() || !aligned16(*mins))))
+  if (plan.rows == 0 || !copyable_weight(qweight, scales, mins))
     return at::matmul(x, unpack_weight(qweight, scales, mins, layout, group, false).t());
   return std::get<0>(run_gemm(plan, x, qweight, scales, mins, std::nullopt, std::nullopt, std::nullopt, 0.0, false,
                               layout, group, false));
