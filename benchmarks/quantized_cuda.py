@@ -133,7 +133,7 @@ def main() -> None:
                 s.prefill(prompt[:-1] + [i])  # distinct prompts: no shared prefix blocks at the end
                 sessions.append(s)
             step1 = decode_step_ms(engine, sessions[0])
-            w, kv = floor_bytes(weights, cfg, a.prompt_len, kv_8bit=bool(kv_dtype))
+            w, kv = floor_bytes(weights, cfg, a.prompt_len, kv_8bit=engine.manifest.kv_8bit)
             row.update(decode_ms_b1=round(step1, 4), tok_s_b1=round(1000 / step1, 1),
                        floor_ms_b1=round(1000 * (w + kv) / bw, 4), share_of_floor_b1=round(1000 * (w + kv) / bw / step1, 3))
             for b in batches:

@@ -157,11 +157,15 @@ class Manifest:
         """State FQNs laid out in blocks (paged KV); the rest has a row per session."""
         return [k for k, v in self.state.items() if v.paged]
 
+    @property
+    def kv_8bit(self) -> bool:
+        """Whether the KV cache is stored in 8 bits with a float32 scale per position and head (`models.kv_quant`)."""
+        return any(k.endswith(("k_scale", "v_scale")) for k in self.state)
+
     def kv_dtype_description(self) -> str:
         """The KV cache's storage: the values' dtype and, for an 8-bit cache (`models.kv_quant`), its scales."""
         values = sorted({v.dtype for k, v in self.state.items() if k.endswith(("k_cache", "v_cache"))})
-        scaled = any(k.endswith(("k_scale", "v_scale")) for k in self.state)
-        return "/".join(values) + (" values, a float32 scale per position and head" if scaled else "")
+        return "/".join(values) + (" values, a float32 scale per position and head" if self.kv_8bit else "")
 
     def packed_fqns(self, layer: str) -> list[str]:
         """The weight FQNs holding packed ``layer`` (values, scales and, affine layouts, mins)."""

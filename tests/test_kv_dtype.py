@@ -62,6 +62,7 @@ def test_the_bundle_declares_8_bit_pools_and_their_scales(kv_bundle):
             assert (values.dtype, values.shape, values.paged) == (dtype, [HKV, BS, D], True)
             assert (scales.dtype, scales.shape, scales.paged) == ("float32", [HKV, BS], True)
     assert m.kv_dtype_description() == f"{dtype} values, a float32 scale per position and head"
+    assert m.kv_8bit  # what the bandwidth floor counts as 8-bit values and their scales (bench.decode.floor_bytes)
     r = run_cli("info", bundle)
     assert r.returncode == 0, r.stderr
     assert f"kv dtype      {dtype} values, a float32 scale per position and head" in r.stdout
@@ -73,6 +74,7 @@ def test_a_block_takes_the_8_bit_bytes_and_the_report_says_so(kv_bundle, tiny_bu
         per_layer = 2 * HKV * BS * (D * 1 + 4)  # K and V: a byte per value, a float32 scale per position and head
         assert e.runner.blocks.block_bytes == CFG.n_layers * per_layer
         assert f.runner.blocks.block_bytes == CFG.n_layers * 2 * HKV * BS * D * 4  # the float32 cache
+        assert e.manifest.kv_8bit and not f.manifest.kv_8bit
         r = e.memory_report()
         assert r.kv_block_bytes == e.runner.blocks.block_bytes and "float32 scale per position" in r.kv_dtype
         assert "kv dtype: " in str(r)

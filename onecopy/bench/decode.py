@@ -168,14 +168,13 @@ def bench_decode(source: str, bundle: Path, *, prompt_lens: list[int], max_seq_l
         torch.cuda.empty_cache()  # the export's model and activations: not the engine's memory
     manifest = read_manifest(bundle)
     cfg = LlamaConfig.from_dict(manifest.config)
-    kv_8bit = any(k.endswith(("k_scale", "v_scale")) for k in manifest.state)  # an 8-bit cache (kv_quant)
     bw = copy_bandwidth()
     res["copy_bandwidth_TBps"] = round(bw / 1e12, 3)
     g = torch.Generator().manual_seed(0)
     prompts = {n: torch.randint(0, cfg.vocab_size - 1, (n,), generator=g).tolist() for n in prompt_lens}
 
     def floor_ms(n: int) -> tuple[float, dict]:
-        w, kv = floor_bytes(weights, cfg, n + new_tokens // 2, kv_8bit)  # the mean context over the decode
+        w, kv = floor_bytes(weights, cfg, n + new_tokens // 2, manifest.kv_8bit)  # the mean context over the decode
         return 1000 * (w + kv) / bw, {"weight_bytes_read": w, "kv_bytes_read": kv}
 
     t0 = time.perf_counter()
