@@ -223,8 +223,9 @@ def test_native_packed_wgmma_matches_float64_on_the_weight_as_it_dequantizes_it(
     """The warpgroup-MMA kernel (kernels/native/packed_wgmma.cu), every layout and group, 1 to 1024 rows (64-, 128-
     and 256-row blocks, a partial last block): within two bf16 ulps of float64 on the weight as it dequantizes it (s and m
     in bf16, s q + m rounded once to bf16, as the packed GEMM), and within 6x of the eager bf16 product on the
-    float32 dequantization; the same bits on every call; shapes it refuses are refused by name. What it checks first
-    when it fails: an exactly representable case (power-of-two scales, x one-hot) names the (feature, k) read wrong."""
+    float32 dequantization; the same bits on every call; shapes and block sizes it refuses are refused by name.
+    What it checks first when it fails: an exactly representable case (power-of-two scales, x one-hot) names the
+    (feature, k) read wrong."""
     from onecopy.kernels import native
     from onecopy.layouts import MMA_LAYOUT_IDS
     from onecopy.models.packed import dequantize
@@ -261,6 +262,10 @@ def test_native_packed_wgmma_matches_float64_on_the_weight_as_it_dequantizes_it(
     with pytest.raises(RuntimeError, match="N a multiple of 128"):
         native.packed_wgmma(torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16), p.qweight, p.scales, p.mins,
                             MMA_LAYOUT_IDS[p.layout], p.group)
+    p, _ = _weights(256, 1024)["q4a g128"]
+    with pytest.raises(RuntimeError, match=r"block_rows must be 64, 128 or 256 \(0: the kernel picks\), got 32"):
+        native.packed_wgmma(torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16), p.qweight, p.scales, p.mins,
+                            MMA_LAYOUT_IDS[p.layout], p.group, 32)
 
 
 def test_native_packed_linear_takes_the_gemm_with_its_folds_past_8_rows():
