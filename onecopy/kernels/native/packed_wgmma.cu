@@ -41,14 +41,16 @@ constexpr int kWgStageK = 128;   // K values a stage
 #ifndef ONECOPY_WGMMA_RING_KB
 #define ONECOPY_WGMMA_RING_KB 200
 #endif
-// Build-time variants for benchmarks/packed_wgmma_harness.cu (not yet measured; off by default): CTAs a SM for 64-row
+// Build-time variants (benchmarks/packed_wgmma_harness.cu times them; -D0/-D1 to A/B): two CTAs a SM for 64-row
 // blocks (the ring split between them), and a stage's MMAs left in flight while the next stage is dequantized (A
 // double-buffered in registers, the ring one stage shallower; blocks of up to 128 rows: 256 have no registers left).
+// Both on by default: on an H100 (q4a g128, 16-128 rows) they took gate_up from 52.7-72.9 to 41.1-68.0 us and down
+// from 46.4-62.6 to 39.7-58.2 us (benchmarks/results/packed_wgmma_variants_h100.txt), 256+ rows unchanged.
 #ifndef ONECOPY_WGMMA_MIN_BLOCKS
-#define ONECOPY_WGMMA_MIN_BLOCKS 1
+#define ONECOPY_WGMMA_MIN_BLOCKS 2
 #endif
 #ifndef ONECOPY_WGMMA_PIPELINE
-#define ONECOPY_WGMMA_PIPELINE 0
+#define ONECOPY_WGMMA_PIPELINE 1
 #endif
 
 template <int L, int GROUP, int NB>
