@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import ModelSourceError
+from . import prequantized
 from .llama import LlamaConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -198,8 +199,14 @@ def read_text_dir(path: Path, read_checkpoint: Callable[[Path], tuple[dict[str, 
                   config_from_hf: Callable[[dict[str, Any]], Any]) -> dict[str, Any]:
     """A text model's checkpoint directory as `source.ModelSource` fields: ``read_checkpoint`` gives
     config.json and the weights, ``config_from_hf`` the family's config; tokenizer.json, the eos ids
-    (generation_config.json's over config.json's) and the chat template come from beside them."""
+    (generation_config.json's over config.json's) and the chat template come from beside them. A GPTQ or AWQ
+    checkpoint's linears come packed too (`prequantized`), as a GGUF's quantized tensors do."""
     config, sd = read_checkpoint(path)
+    quant = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    packed = prequantized.read_packed(sd, quant)  # GPTQ / AWQ linears: packed, their float32 values in sd
+    cfg = config_from_hf(config)
+    if packed and getattr(cfg, "num_experts", 0):
+        packed = prequantized.stack_experts(packed, cfg.num_experts)
     tok_file = path / "tokenizer.json"
     if not tok_file.is_file():
         raise ModelSourceError(f"{path} has no tokenizer.json; save the fast tokenizer next to the weights")
@@ -214,5 +221,5 @@ def read_text_dir(path: Path, read_checkpoint: Callable[[Path], tuple[dict[str, 
     if (path / "chat_template.jinja").is_file():
         chat_template = (path / "chat_template.jinja").read_text()
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    return dict(config=config_from_hf(config), hf_state_dict=sd, tokenizer_json=tok_file.read_text(),
-                eos_token_ids=eos_ids, bos_token_id=config.get("bos_token_id"), chat_template=chat_template)
+    return dict(config=cfg, hf_state_dict=sd, tokenizer_json=tok_file.read_text(), eos_token_ids=eos_ids,
+                bos_token_id=config.get("bos_token_id"), chat_template=chat_template, packed=packed)
