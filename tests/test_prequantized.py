@@ -27,23 +27,27 @@ LLAMA_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "se
                  "mlp.up_proj", "mlp.down_proj")
 
 
-def _rtn(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric round-to-nearest of w [N, K]: integer q [N, K], zeros z [K / group, N], fp16 scales [K / group, N]
-    (as GPTQ and AWQ store them), w ~ s (q - z)."""
+def _rtn(w: torch.Tensor, bits: int, group: int, sym: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest of w [N, K], asymmetric or (``sym``) about the midpoint zero: integer q [N, K], zeros z
+    [K / group, N], fp16 scales [K / group, N] (as GPTQ and AWQ store them), w ~ s (q - z)."""
     n, k = w.shape
     g = w.float().reshape(n, k // group, group)
     lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
     top = (1 << bits) - 1
-    s = ((hi - lo) / top).clamp(min=1e-5).half()
-    z = torch.round(-lo / s.float()).clamp(0, top)
+    if sym:
+        s = (torch.maximum(-lo, hi) / ((1 << (bits - 1)) - 1)).clamp(min=1e-5).half()
+        z = torch.full_like(lo, 1 << (bits - 1))
+    else:
+        s = ((hi - lo) / top).clamp(min=1e-5).half()
+        z = torch.round(-lo / s.float()).clamp(0, top)
     q = torch.round(g / s.float().unsqueeze(-1) + z.unsqueeze(-1)).clamp(0, top).reshape(n, k)
     return q.long(), z.t().long().contiguous(), s.t().contiguous()
 
 
-def _gptq_tensors(w: torch.Tensor, bits: int, v2: bool) -> dict[str, torch.Tensor]:
+def _gptq_tensors(w: torch.Tensor, bits: int, v2: bool, sym: bool) -> dict[str, torch.Tensor]:
     """AutoGPTQ's pack: qweight [K / p, N] (p values a word along K), qzeros [K / group, N / p] (zeros - 1 in the
     classic format), fp16 scales, g_idx."""
-    q, z, s = _rtn(w, bits, GROUP)
+    q, z, s = _rtn(w, bits, GROUP, sym)
     per, (n, k) = 32 // bits, w.shape
     intweight = q.t().contiguous()  # [K, N]
     qweight = torch.zeros(k // per, n, dtype=torch.int64)
@@ -79,9 +83,9 @@ def _int32(t: torch.Tensor) -> torch.Tensor:
     return torch.where(t < (1 << 31), t, t - (1 << 32)).to(torch.int32)
 
 
-def _reference(w: torch.Tensor, bits: int) -> torch.Tensor:
+def _reference(w: torch.Tensor, bits: int, sym: bool = False) -> torch.Tensor:
     """The checkpoint's weight as its format defines it: s (q - z), in float64 (exact in float32 too)."""
-    q, z, s = _rtn(w, bits, GROUP)
+    q, z, s = _rtn(w, bits, GROUP, sym)
     return (s.double().t().repeat_interleave(GROUP, 1) * (q - z.t().repeat_interleave(GROUP, 1)).double()).float()
 
 
@@ -92,11 +96,11 @@ def _write(src: ModelSource, path: Path, linears: dict[str, torch.Tensor], quant
     sd = {k: v for k, v in src.hf_state_dict.items() if k[:-len(".weight")] not in linears}
     refs = {}
     for name, w in linears.items():
-        bits = quant.get("bits", 4)
+        bits, sym = quant.get("bits", 4), bool(quant.get("sym"))
         t = _awq_tensors(w) if quant["quant_method"] == "awq" else _gptq_tensors(
-            w, bits, quant.get("checkpoint_format") == "gptq_v2")
+            w, bits, quant.get("checkpoint_format") == "gptq_v2", sym)
         sd.update({f"{name}.{part}": v for part, v in t.items()})
-        refs[f"{name}.weight"] = _reference(w, bits)
+        refs[f"{name}.weight"] = _reference(w, bits, sym)
     save_file({k: v.contiguous() for k, v in sd.items()}, str(path / "model.safetensors"))
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**cfg, "quantization_config": quant}))
@@ -112,18 +116,20 @@ def _llama_linears(src: ModelSource) -> dict[str, torch.Tensor]:
     {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": False},
     {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "checkpoint_format": "gptq_v2"},
     {"quant_method": "gptq", "bits": 8, "group_size": GROUP},
+    {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "sym": True},
+    {"quant_method": "gptq", "bits": 8, "group_size": GROUP, "sym": True},
     {"quant_method": "awq", "bits": 4, "group_size": GROUP, "version": "gemm", "zero_point": True},
-], ids=["gptq", "gptq_v2", "gptq-int8", "awq"])
+], ids=["gptq", "gptq_v2", "gptq-int8", "gptq-sym", "gptq-int8-sym", "awq"])
 def test_gptq_and_awq_linears_load_packed_bit_for_bit_and_run_like_the_float_model(tmp_path, quant):
     tiny = preset_source("tiny-llama")
     refs = _write(tiny, tmp_path / "ckpt", _llama_linears(tiny), quant)
     src = resolve_source(tmp_path / "ckpt")
     bits = quant["bits"]
+    layout = {(4, False): "q4a", (8, False): "q8a", (4, True): "q4z", (8, True): "q8s"}[bits, bool(quant.get("sym"))]
     assert set(src.packed) == set(refs)
     for name, ref in refs.items():
-        p = src.packed[name]
-        assert (p.layout, p.group, p.qtype) == ("q4a" if bits == 4 else "q8a", GROUP,
-                                                f"{quant['quant_method'].upper()} int{bits} g{GROUP}")
+        p = src.packed[name]  # a symmetric checkpoint (every zero the midpoint) in the layouts without mins
+        assert (p.layout, p.group, p.qtype) == (layout, GROUP, f"{quant['quant_method'].upper()} int{bits} g{GROUP}")
         assert torch.equal(dequantize(p.packed()), ref), name  # the format's s (q - z), exactly
         assert torch.equal(src.hf_state_dict[name], ref), name  # the references' float weights
     float_model = src.build(TINY_MAX_SEQ_LEN, torch.float32)

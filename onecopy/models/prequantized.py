@@ -5,10 +5,12 @@ Each quantized linear ``X`` is stored as ``X.qweight`` (int32 words of 4- or 8-b
 zero points, packed alike) and ``X.scales`` (float16, one per group of ``group_size`` input features and output
 feature): w = s (q - z). That is the affine layout onecopy already keeps packed (`q4a` for 4 bits, `q8a` for 8):
 s q + m with m = -s z, and in float32 both products and their sum are exact (an fp16 scale has 11 significant bits,
-q and z at most 8), so the repack is lossless. The result is the same `gguf_repack.PackedWeight` a GGUF repack
-gives, under the float weight's name ``X.weight``: the export keeps it packed (`quantize.pack_gguf`, fused q/k/v
-and gate/up included; a Qwen3.5 MoE's per-expert linears stacked as its expert blocks), and the checkpoint's
-float32 dequantization stands in ``X.weight`` for the references.
+q and z at most 8), so the repack is lossless. A symmetric weight (every z the midpoint, GPTQ's ``sym``) takes the
+layouts without mins: `q4z`, s (q - 8), and `q8s`, s (q - 128) as int8 (the native CUDA kernels read both).
+The result is the same `gguf_repack.PackedWeight` a GGUF repack gives, under the float weight's name
+``X.weight``: the export keeps it packed (`quantize.pack_gguf`, fused q/k/v and gate/up included; a Qwen3.5 MoE's
+per-expert linears stacked as its expert blocks), and the checkpoint's float32 dequantization stands in
+``X.weight`` for the references.
 
 The packings (AutoGPTQ / GPTQModel and transformers' GPTQ integration; AutoAWQ's GEMM kernel):
 - GPTQ: qweight [K / p, N], p values a word along the input features (value j in bits b j ..); qzeros
@@ -30,6 +32,7 @@ import torch
 
 from ..errors import ModelSourceError
 from .gguf_repack import PackedWeight
+from .packed import dequantize
 
 log = logging.getLogger(__name__)
 
@@ -90,13 +93,16 @@ def read_packed(sd: dict[str, torch.Tensor], quant: dict[str, Any]) -> dict[str,
             log.warning("%s: act-order GPTQ (desc_act) groups are not runs of K; kept float", name)
             continue
         scales = sf.t().contiguous()  # [N, K / group]
-        mins = (-(sf * zf)).t().contiguous()
-        values = q if bits == 8 else (q[:, 0::2] | (q[:, 1::2] << 4))  # low nibble first
-        w = PackedWeight("q4a" if bits == 4 else "q8a", (n, k), group, values.contiguous(), scales, mins,
-                         qtype=f"{method.upper()} int{bits} g{group}")
+        qtype = f"{method.upper()} int{bits} g{group}"
+        if bool((z == 1 << (bits - 1)).all()):  # symmetric (GPTQ sym): s (q - 8) is q4z, s (q - 128) is q8s
+            values = (q[:, 0::2] | (q[:, 1::2] << 4)) if bits == 4 else (q.to(torch.int32) - 128).to(torch.int8)
+            w = PackedWeight("q4z" if bits == 4 else "q8s", (n, k), group, values.contiguous(), scales, None, qtype)
+        else:
+            mins = (-(sf * zf)).t().contiguous()
+            values = q if bits == 8 else (q[:, 0::2] | (q[:, 1::2] << 4))  # low nibble first
+            w = PackedWeight("q4a" if bits == 4 else "q8a", (n, k), group, values.contiguous(), scales, mins, qtype)
         packed[f"{name}.weight"] = w
-        sd[f"{name}.weight"] = (scales.repeat_interleave(group, 1) * q.float()
-                                + mins.repeat_interleave(group, 1))  # `packed.dequantize`'s arithmetic
+        sd[f"{name}.weight"] = dequantize(w.packed())  # float32, exact
     return packed
 
 
