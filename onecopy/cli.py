@@ -333,9 +333,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "a row of max_seq_len positions per session")
     keep = e.add_mutually_exclusive_group()
     keep.add_argument("--dequantize", action="store_true", default=None,
-                      help="store a quantized GGUF's weights as floats (about 4x the bytes on CPU, float32)")
+                      help="store a quantized GGUF's (or GPTQ / AWQ checkpoint's) weights as floats (about 4x the bytes "
+                           "on CPU, float32)")
     keep.add_argument("--keep-quantized", dest="dequantize", action="store_false",
-                      help="keep a quantized GGUF's weights packed at their size, read packed by the decode kernels "
+                      help="keep a quantized GGUF's (or GPTQ / AWQ checkpoint's) weights packed at their size, read "
+                           "packed by the decode kernels "
                            "(the default)")
     e.add_argument("--quantize", choices=["int8", "int4", "fp8"],
                    help="quantize a float checkpoint's projections: int8 symmetric or int4 asymmetric, per group; "

@@ -112,7 +112,8 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
     place only when complete, so a failed export leaves nothing behind.
     ``kv_block``: positions per KV block (paged KV, what the prefix cache shares; Llama family); None
     keeps one row of max_seq_len positions per session. Families without paged KV ignore it.
-    A GGUF source's quantized tensors stay packed (`models.quantize.pack_gguf`) unless ``dequantize``
+    A GGUF source's quantized tensors, and a GPTQ / AWQ checkpoint's (`models.prequantized`), stay packed
+    (`models.quantize.pack_gguf`) unless ``dequantize``
     (None, the default, is False): the CUDA decode kernels and the CPU's C++ kernel (`kernels.cpu`) read
     them packed (SmolLM2 Q4_1 on 2 cores: 0.24x the float bundle's time per token with a fifth of its weight
     bytes, benchmarks/results/packed_cpu_smollm2.json). True stores them as floats.
@@ -303,6 +304,7 @@ def _check_fp8_device(device: str, option: str) -> None:
 
 
 def _gguf_types(src: ModelSource) -> str:
+    """The quantized source's types (GGUF's Q4_K ..., or GPTQ int4 g128 ...), for messages."""
     return ", ".join(sorted({p.qtype for p in src.packed.values()}))
 
 
@@ -316,7 +318,7 @@ def _pack(model: torch.nn.Module, src: ModelSource, dequantize: bool, quantize: 
         return {}
     sources, kept_float = pack_gguf(model, src.packed)
     if kept_float:
-        progress_note(f"kept float (GGUF parts of different types, or values the packing cannot rearrange): "
+        progress_note(f"kept float (fused parts quantized unlike, or values the packing cannot rearrange): "
                       f"{', '.join(kept_float[:4])}"
                       f"{' ...' if len(kept_float) > 4 else ''}", progress)
     return sources
