@@ -228,6 +228,9 @@ def test_gptq_experts_of_a_qwen3_5_moe_are_stacked_packed_and_run_like_the_float
             linears[f"{m}shared_expert.{part}_proj"] = sd[f"{m}shared_expert.{part}_proj.weight"]
     per_expert = ModelSource(moe.name, cfg, sd, moe.tokenizer_json, moe.eos_token_ids, family=moe.family)
     _write(per_expert, tmp_path / "ckpt", linears, {"quant_method": "gptq", "bits": 4, "group_size": GROUP})
+    # as a multimodal Qwen3.5 config.json holds it: the text model's config, quantization_config with it, nested
+    text = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": text}))
     src = resolve_source(tmp_path / "ckpt")
     e, hid = cfg.num_experts, cfg.moe_intermediate_size
     stack = src.packed["model.layers.0.mlp.experts.gate_up_proj"]
