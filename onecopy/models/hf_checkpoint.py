@@ -202,9 +202,9 @@ def read_text_dir(path: Path, read_checkpoint: Callable[[Path], tuple[dict[str, 
     (generation_config.json's over config.json's) and the chat template come from beside them. A GPTQ or AWQ
     checkpoint's linears come packed too (`prequantized`), as a GGUF's quantized tensors do."""
     config, sd = read_checkpoint(path)
-    raw = json.loads((path / "config.json").read_text())  # a multimodal config may nest it in its text_config
-    quant = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config") or {}
-    packed = prequantized.read_packed(sd, quant)  # GPTQ / AWQ linears: packed, their float32 values in sd
+    packed = prequantized.read_packed(sd, prequantized.quantization_config(path))  # GPTQ / AWQ: float32 in sd too
+    # a multimodal checkpoint's text model is model.language_model.*, as the family's renaming takes it
+    packed = {k.replace("model.language_model.", "model.", 1): v for k, v in packed.items()}
     cfg = config_from_hf(config)
     if packed and getattr(cfg, "num_experts", 0):
         packed = prequantized.stack_experts(packed, cfg.num_experts)
