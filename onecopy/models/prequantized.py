@@ -19,7 +19,7 @@ The packings (AutoGPTQ / GPTQModel and transformers' GPTQ integration; AutoAWQ's
   A group past 128 (``group_size`` -1: one a row) becomes groups of 128 with the same scale and min.
   ``desc_act`` (act-order) checkpoints give each input feature its group through ``g_idx``;
   where that is not ``k // group`` the groups are not runs of K, which no packed layout holds: such a weight is
-  dequantized (exactly) and stays float, and the export says so.
+  dequantized (exactly) and stays float, with a warning.
 - AWQ (``version`` ``gemm``): qweight [K, N / 8] and qzeros [K / group, N / 8], eight 4-bit values a word along the
   output features in the order 0, 2, 4, 6, 1, 3, 5, 7; w = s (q - z). The GEMV packing is refused with the fix.
 """
