@@ -109,7 +109,7 @@ def read_packed(sd: dict[str, torch.Tensor], quant: dict[str, Any]) -> dict[str,
         bias = sd.get(f"{name}.bias")
         if bias is not None and not bool(bias.any()):
             del sd[f"{name}.bias"]  # AutoGPTQ up to 0.6 gave every linear a bias of zeros
-        q, z, s = (_gptq_values if method == "gptq" else _awq_values)(parts, bits, v1)
+        q, z, s = _gptq_values(parts, bits, v1) if method == "gptq" else _awq_values(parts, bits)
         n = q.shape[0]
         g_idx = parts["g_idx"]
         sf, zf = s.float(), z.float()
@@ -125,16 +125,15 @@ def read_packed(sd: dict[str, torch.Tensor], quant: dict[str, Any]) -> dict[str,
         # a group past the layouts' 128 (a whole row: group_size -1) as groups of 128 with the same scale and min
         rep = group // 128 if group > 128 and group % 128 == 0 else 1
         scales = sf.t().repeat_interleave(rep, 1).contiguous()  # [N, K / group]
-        qtype = f"{method.upper()} int{bits} g{group}"
-        if sym and bool((z == 1 << (bits - 1)).all()):  # s (q - 8) is q4z, s (q - 128) is q8s
-            values = (q[:, 0::2] | (q[:, 1::2] << 4)) if bits == 4 else (q.to(torch.int32) - 128).to(torch.int8)
-            w = PackedWeight("q4z" if bits == 4 else "q8s", (n, k), group // rep, values.contiguous(), scales, None,
-                             qtype)
+        midpoint = sym and bool((z == 1 << (bits - 1)).all())  # s (q - 8) is q4z, s (q - 128) is q8s
+        if bits == 4:
+            values = q[:, 0::2] | (q[:, 1::2] << 4)  # low nibble first
         else:
-            mins = (-(sf * zf)).t().repeat_interleave(rep, 1).contiguous()
-            values = q if bits == 8 else (q[:, 0::2] | (q[:, 1::2] << 4))  # low nibble first
-            w = PackedWeight("q4a" if bits == 4 else "q8a", (n, k), group // rep, values.contiguous(), scales, mins,
-                             qtype)
+            values = (q.to(torch.int32) - 128).to(torch.int8) if midpoint else q
+        mins = None if midpoint else (-(sf * zf)).t().repeat_interleave(rep, 1).contiguous()
+        layout = {(4, True): "q4z", (8, True): "q8s", (4, False): "q4a", (8, False): "q8a"}[bits, midpoint]
+        w = PackedWeight(layout, (n, k), group // rep, values.contiguous(), scales, mins,
+                         qtype=f"{method.upper()} int{bits} g{group}")
         packed[f"{name}.weight"] = w
         sd[f"{name}.weight"] = dequantize(w.packed())  # float32, exact
     return packed
@@ -181,7 +180,7 @@ def _gptq_values(parts: dict[str, Any], bits: int, v1: bool) -> tuple[torch.Tens
     return q, z.to(torch.int32), parts["scales"]
 
 
-def _awq_values(parts: dict[str, Any], bits: int, v1: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _awq_values(parts: dict[str, Any], bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """AWQ's (GEMM packing) q [N, K], z [K / group, N] and s [K / group, N]."""
     qw, qz = parts["qweight"], parts["qzeros"]
     undo = list(_AWQ_UNDO)
