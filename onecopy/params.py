@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from .errors import InputError
+from .grammar import Grammar
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or output (CTRL-style)
     suppress_ids: tuple[int, ...] = field(default=())  # never generated
     begin_suppress_ids: tuple[int, ...] = field(default=())  # not generated as the first token
+    grammar: Grammar | None = None  # the output must match it (`grammar`: JSON schema, JSON object, regex, Lark)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

@@ -1,6 +1,7 @@
 """Token sampling on the device, for a batch of sessions in one call, each with its own parameters.
 
-Per row: temperature (0 = greedy), top-k, top-p, repetition penalty, suppressed ids and a seed.
+Per row: temperature (0 = greedy), top-k, top-p, repetition penalty, suppressed ids, a seed and a grammar
+(`grammar`: the tokens it allows, as a bitmask made on the host, mask every other logit first).
 Randomness is counter-based: a row's uniform draw is a hash of (seed, position), computed on the
 device, so a session's tokens depend only on its own seed and logits, never on which other
 sessions share the step or on any generator state. Only the chosen ids leave the device.
@@ -8,10 +9,12 @@ sessions share the step or on any generator state. Only the chosen ids leave the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from .grammar import GrammarCompiler, GrammarError, Matcher
 from .params import SamplingParams
 
 # splitmix64 constants as signed int64 (torch has no full uint64 arithmetic); products wrap mod 2**64.
@@ -51,6 +54,11 @@ class DrawPlan:
     # float32 [3, n]: repetition penalty, temperature (1 for greedy rows), top-p (inf: off); None when
     # every row is greedy without a penalty (nothing reads them: no copy on the per-token path)
     floats: torch.Tensor | None
+    constrained: list[int] = field(default_factory=list)  # positions of the rows with a grammar
+    matchers: list[Matcher] = field(default_factory=list)  # their grammars' matchers
+    # int32 [len(constrained), words]: their allowed tokens' bitmasks, and those positions, on the device
+    mask_bits: torch.Tensor | None = None
+    mask_index: torch.Tensor | None = None
 
 
 @dataclass
@@ -68,6 +76,9 @@ class BatchSampler:
         self._seen: torch.Tensor | None = None  # bool [rows, vocab], allocated at the first penalty
         self._suppress: torch.Tensor | None = None  # bool [rows, vocab]: never
         self._begin: torch.Tensor | None = None  # bool [rows, vocab]: not first
+        self.grammars: GrammarCompiler | None = None  # the engine's, for requests with a grammar
+        self._matchers: dict[int, Matcher] = {}  # row -> its request's place in its grammar
+        self._bit_of: tuple[torch.Tensor, torch.Tensor] | None = None  # each token's bitmask word and bit
 
     @property
     def nbytes(self) -> int:
@@ -80,10 +91,17 @@ class BatchSampler:
             setattr(self, name, t)
         return t
 
-    def admit(self, row: int, params: SamplingParams, prompt_ids: list[int], seed: int | None = None) -> None:
-        """Start a request on ``row``: its parameters, its seed (default: `SamplingParams.draw_seed`), and
-        the prompt as seen (for the penalty)."""
+    def admit(self, row: int, params: SamplingParams, prompt_ids: list[int], seed: int | None = None,
+              emitted: list[int] | None = None) -> None:
+        """Start a request on ``row``: its parameters, its seed (default: `SamplingParams.draw_seed`), the
+        prompt as seen (for the penalty), and its grammar's matcher, advanced over ``emitted`` (the ids a
+        resumed request generated before)."""
         self._row[row] = _Row(params, params.draw_seed() if seed is None else seed)
+        self._matchers.pop(row, None)
+        if params.grammar is not None:
+            if self.grammars is None:
+                raise GrammarError("this engine cannot constrain outputs (no grammar compiler)")
+            self._matchers[row] = self.grammars.matcher(params.grammar, emitted or ())
         for name, ids in (("_seen", prompt_ids if params.repetition_penalty != 1.0 else ()),
                           ("_suppress", params.suppress_ids), ("_begin", params.begin_suppress_ids)):
             if ids or getattr(self, name) is not None:
@@ -110,7 +128,35 @@ class BatchSampler:
                                              [p.temperature if not p.greedy else 1.0 for p in params],
                                              [p.top_p if p.top_p < 1.0 else float("inf") for p in params]],
                                             dtype=torch.float32), self.device)
-        return DrawPlan(params, first, to_device(torch.tensor(ints, dtype=torch.long), self.device), floats)
+        draw = DrawPlan(params, first, to_device(torch.tensor(ints, dtype=torch.long), self.device), floats)
+        draw.constrained = [i for i, r in enumerate(rows) if r in self._matchers]
+        draw.matchers = [self._matchers[rows[i]] for i in draw.constrained]
+        return draw
+
+    def fill_masks(self, plan: "DrawPlan") -> None:
+        """The grammars' allowed tokens for ``plan``'s constrained rows, after the ids each row has emitted, made
+        on the host and copied to the device. Call it after launching the step whose logits they mask: the host
+        work then overlaps the forward pass."""
+        if not plan.constrained or plan.mask_bits is not None:
+            return
+        bits = np.zeros((len(plan.constrained), (self.vocab + 31) // 32), dtype=np.int32)
+        for j, m in enumerate(plan.matchers):
+            m.fill(bits[j])
+        plan.mask_bits = to_device(torch.from_numpy(bits), self.device)
+        plan.mask_index = to_device(torch.tensor(plan.constrained, dtype=torch.long), self.device)
+
+    def advance(self, plan: "DrawPlan", ids: list[int]) -> None:
+        """Hand the ids ``plan``'s draw produced (on the host) to the grammars of its constrained rows."""
+        for i, m in zip(plan.constrained, plan.matchers):
+            m.advance(ids[i])
+
+    def _allowed(self, plan: "DrawPlan", vocab: int) -> torch.Tensor:
+        """bool [len(plan.constrained), vocab] from the plan's bitmasks (bit t % 32 of word t // 32)."""
+        if self._bit_of is None or self._bit_of[0].numel() != vocab:
+            t = torch.arange(vocab, device=self.device)
+            self._bit_of = (t >> 5, (t & 31).int())
+        word, bit = self._bit_of
+        return ((plan.mask_bits[:, word] >> bit) & 1).bool()
 
     def sample(self, logits: torch.Tensor, plan: "DrawPlan") -> torch.Tensor:
         """Draw one id per row of ``logits`` [n, vocab] (row i belongs to pool row ``plan.rows[i]``).
@@ -120,6 +166,10 @@ class BatchSampler:
         params = plan.params
         rows_t = plan.ints[0]
         x = logits.float()
+        if plan.constrained:  # a grammar's disallowed tokens first: nothing below can bring them back
+            self.fill_masks(plan)
+            idx = plan.mask_index
+            x = x.index_copy(0, idx, x.index_select(0, idx).masked_fill(~self._allowed(plan, x.shape[-1]), float("-inf")))
         if any(p.repetition_penalty != 1.0 for p in params):
             pen = plan.floats[0][:, None]
             x = torch.where(self._seen[rows_t], torch.where(x > 0, x / pen, x * pen), x)
@@ -151,7 +201,9 @@ class BatchSampler:
 
     def release(self, row: int) -> None:
         self._row.pop(row, None)
+        self._matchers.pop(row, None)
 
     def clear(self) -> None:
         self._row.clear()
+        self._matchers.clear()
         self._seen = self._suppress = self._begin = None

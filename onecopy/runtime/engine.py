@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from ..bundle import Manifest, read_bundle
+from ..bundle import TOKENIZER, Manifest, read_bundle
 from ..errors import EngineClosedError, InputError, SessionCapacityError
+from ..grammar import GrammarCompiler
 from ..params import SamplingParams
 from ..tokenizer import Tokenizer
 from .config import EngineConfig
@@ -186,6 +187,9 @@ class Engine:
         self.runner = ModelRunner(self.path, m, self.device, self._methods, self._store, rows,
                                   deterministic=c.deterministic, cuda_graphs=c.cuda_graphs,
                                   decode_buckets=c.decode_buckets, kv_blocks=blocks)
+        # grammars for constrained outputs, checked at submit (the tokenizer's llguidance form built at the first)
+        self.grammars = GrammarCompiler(self.path / TOKENIZER, self.eos_token_ids, int(m.config["vocab_size"]))
+        self.runner.sampler.grammars = self.grammars
         log.info("%s on %s: %s; decode %s%s", self.path.name, self.device, self.pool_sizing,
                  decode.name if decode else "none",
                  f", graphs for {self.runner.graph_buckets}" if self.runner.graph_buckets else "")
@@ -422,6 +426,8 @@ class Engine:
         """
         self.check_open()
         params = params or SamplingParams()
+        if params.grammar is not None:
+            self.grammars.compile(params.grammar)  # GrammarError (an InputError) with the engine's reason
         ids = self.prompts.encode(prompt, chat=chat)
         if encode_inputs is not None:
             encode_inputs = tuple(encode_inputs)

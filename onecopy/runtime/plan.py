@@ -138,6 +138,7 @@ class RequestStart:
     seen: list[int]
     encode_inputs: tuple[Any, ...] | None
     seed: int
+    emitted: list[int] = field(default_factory=list)  # ids it generated before a preemption (its grammar replays them)
 
 
 @dataclass

@@ -210,7 +210,7 @@ class ModelRunner:
         """Set up an admitted request on its row: its encode inputs, its sampling state."""
         if start.encode_inputs is not None:
             self.encode(start.row, start.encode_inputs)
-        self.sampler.admit(start.row, start.params, start.seen, start.seed)
+        self.sampler.admit(start.row, start.params, start.seen, start.seed, start.emitted)
 
     def execute(self, plan: StepPlan, *, overlap: bool) -> Launched:
         """Queue ``plan``'s device work: its state operations, the admitted requests' set-up, the prefill
@@ -239,9 +239,14 @@ class ModelRunner:
         if not plan.sample:
             return Launched(plan, [], None)
         with self._phase("sample"):
+            self.sampler.fill_masks(draw)  # (grammars: made on the host while the step above runs)
             tokens = self.sampler.sample(self._gather(plan, logits), draw)
         if self.step is not None:  # each sampled row's next decode input, left on the device
             self.step.last_token.index_copy_(0, draw.ints[0], tokens)
+        if draw.constrained:  # their grammars take the ids before the next step's masks: no overlap
+            ids = tokens.tolist()
+            self.sampler.advance(draw, ids)
+            return Launched(plan, ids, None)
         if not overlap:
             return Launched(plan, tokens.tolist(), None)  # the one device-to-host copy of the step
         if tokens.device.type != "cuda":

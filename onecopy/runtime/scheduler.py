@@ -282,7 +282,7 @@ class Scheduler:
                 promised += self.kv.to_come(req, self.new_token_ratio)
             req.position, req.fed = req.start + req.cached, req.cached
             self._starts.append(RequestStart(req.row, req.params, req.feed(0, req.feed_len), req.encode_inputs,
-                                             req.seed))
+                                             req.seed, req.feed(len(req.prompt), req.feed_len)))
             if first:
                 self.stats.prompt_tokens += len(req.prompt)
                 self.stats.cached_tokens += req.cached
