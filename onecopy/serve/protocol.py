@@ -1,17 +1,20 @@
 """The OpenAI request bodies this server takes, checked into one `GenerationRequest` (or an APIError).
 
 Parameters the server cannot honour (n > 1, tools, logprobs, penalties other than repetition,
-logit_bias, echo, suffix, best_of, non-text response formats) are refused with a 400 that names
-them, never silently ignored.
+logit_bias, echo, suffix, best_of) are refused with a 400 that names them, never silently ignored.
+Structured outputs (`response_format` json_schema / json_object, and vLLM's ``guided_json``,
+``guided_regex`` and ``guided_grammar`` (Lark) as extensions) constrain the sampled tokens (`grammar`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InputError
+from ..grammar import Grammar, GrammarError
 from ..params import SamplingParams
 from .errors import APIError, bad_request, unsupported
 
@@ -74,9 +77,6 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
             raise unsupported(name, f"{name} (use repetition_penalty)")
     if body.get("logit_bias") not in (None, {}):
         raise unsupported("logit_bias", "logit_bias")
-    fmt = body.get("response_format")
-    if fmt not in (None, {}) and (not isinstance(fmt, dict) or fmt.get("type") not in (None, "text")):
-        raise unsupported("response_format", "a response_format other than text")
     if kind == "completion":
         if body.get("echo"):
             raise unsupported("echo", "echo")
@@ -156,6 +156,65 @@ def generation_params(body: dict, prompt_ids: list[int], engine: Any, where: str
         raise bad_request(str(e), code="invalid_value") from None
 
 
+def format_grammar(fmt: Any, param: str, nested: bool) -> Grammar | None:
+    """The grammar of an OpenAI output format: ``{"type": "text"}`` (none), ``{"type": "json_object"}``, or
+    ``{"type": "json_schema", ...}`` with the schema under ``json_schema.schema`` (Chat Completions: ``nested``)
+    or ``schema`` (Responses' ``text.format``)."""
+    if fmt in (None, {}):
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return Grammar.json_object()
+    if kind != "json_schema":
+        raise bad_request(f"'{param}.type' must be text, json_object or json_schema, got {kind!r}", param=param,
+                          code="invalid_value")
+    spec = fmt.get("json_schema") if nested else fmt
+    where = f"{param}.json_schema" if nested else param
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise bad_request(f"'{where}.schema' is required: the JSON schema the output must match", param=param,
+                          code="invalid_value")
+    return Grammar.json_schema(spec["schema"])
+
+
+def request_grammar(body: dict, fmt: Any, fmt_param: str, nested: bool, engine: Any) -> Grammar | None:
+    """The one grammar a request asks for (its output format, or an extension: ``guided_json``, ``guided_regex``,
+    ``guided_grammar`` in Lark), compiled against the engine's tokenizer: 400 with the engine's reason if it
+    cannot be, or if several are given."""
+    given: list[tuple[str, Grammar]] = []
+    g = format_grammar(fmt, fmt_param, nested)
+    if g is not None:
+        given.append((fmt_param, g))
+    guided_json = body.get("guided_json")
+    if guided_json is not None:
+        if isinstance(guided_json, str):
+            try:
+                guided_json = json.loads(guided_json)
+            except json.JSONDecodeError as e:
+                raise bad_request(f"'guided_json' is not valid JSON: {e}", param="guided_json", code="invalid_value") from None
+        if not isinstance(guided_json, dict):
+            raise bad_request("'guided_json' must be a JSON schema object", param="guided_json", code="invalid_value")
+        given.append(("guided_json", Grammar.json_schema(guided_json)))
+    for name, make in (("guided_regex", Grammar.regex), ("guided_grammar", Grammar.lark)):
+        v = body.get(name)
+        if v is not None:
+            if not isinstance(v, str) or not v:
+                raise bad_request(f"'{name}' must be a non-empty string", param=name, code="invalid_value")
+            given.append((name, make(v)))
+    if len(given) > 1:
+        raise bad_request(f"only one output constraint a request; got {', '.join(n for n, _ in given)}",
+                          param=given[1][0], code="invalid_value")
+    if not given:
+        return None
+    name, grammar = given[0]
+    try:
+        engine.grammars.compile(grammar)
+    except GrammarError as e:
+        raise bad_request(str(e), param=name, code="invalid_value") from None
+    return grammar
+
+
 def parse_generation(body: dict, kind: str, engine: Any, served: str) -> GenerationRequest:
     """Check a /v1/chat/completions (kind "chat") or /v1/completions body against the engine."""
     check_model(body, served)
@@ -185,6 +244,9 @@ def parse_generation(body: dict, kind: str, engine: Any, served: str) -> Generat
         raise bad_request("the prompt is empty", param="messages" if kind == "chat" else "prompt", code="invalid_value")
     params = generation_params(body, prompt_ids, engine, "messages" if kind == "chat" else "prompt",
                                ("max_completion_tokens", "max_tokens"))
+    grammar = request_grammar(body, body.get("response_format"), "response_format", True, engine)
+    if grammar is not None:
+        params = dataclasses.replace(params, grammar=grammar)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be true or false", param="stream", code="invalid_value")

@@ -12,6 +12,7 @@ own turn only.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -30,7 +31,7 @@ from typing import Any, AsyncIterator
 from ..errors import InputError
 from ..state_files import oldest_first
 from .errors import APIError, bad_request, unsupported
-from .protocol import GenerationRequest, check_model, generation_params
+from .protocol import GenerationRequest, check_model, generation_params, request_grammar
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +240,7 @@ class ResponseTurn:
     store: bool
     metadata: dict[str, str]
     max_output_tokens: int | None  # as given (None: the rest of the context)
+    text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})  # as given: the response echoes it
     id: str = field(default_factory=lambda: "resp_" + uuid.uuid4().hex)  # what _ID matches
     created_at: float = field(default_factory=time.time)
 
@@ -307,9 +309,6 @@ def parse_response_request(body: dict, engine: Any, served: str, store: Response
     if text is not None and not isinstance(text, dict):
         raise bad_request("'text' must be an object, e.g. {\"format\": {\"type\": \"text\"}}", param="text",
                           code="invalid_value")
-    fmt = (text or {}).get("format")
-    if fmt not in (None, {}) and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise unsupported("text.format", "a text format other than text")
     if body.get("truncation") not in (None, "disabled"):
         raise unsupported("truncation", "truncation other than 'disabled'")
     instructions = body.get("instructions")
@@ -347,9 +346,13 @@ def parse_response_request(body: dict, engine: Any, served: str, store: Response
     if prompt_ids is None:
         prompt_ids = tok.encode(prompt_text)
     params = generation_params(body, prompt_ids, engine, "input", ("max_output_tokens",))
+    grammar = request_grammar(body, (text or {}).get("format"), "text.format", False, engine)
+    if grammar is not None:
+        params = dataclasses.replace(params, grammar=grammar)
     req = GenerationRequest("chat", prompt_ids, params, [], _flag(body, "stream", False))
+    fmt = (text or {}).get("format") or {"type": "text"}
     return ResponseTurn(req, instructions, items, messages, prompt_text, previous, _flag(body, "store", True), metadata,
-                        body.get("max_output_tokens"))
+                        body.get("max_output_tokens"), fmt)
 
 
 class ResponsesRun:
@@ -381,7 +384,7 @@ class ResponsesRun:
                 "top_p": req.params.top_p, "store": t.store, "metadata": t.metadata, "usage": usage,
                 "error": None if error is None else {"code": error.code or "server_error", "message": error.message},
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [], "parallel_tool_calls": False,
+                "text": {"format": t.text_format}, "tool_choice": "auto", "tools": [], "parallel_tool_calls": False,
                 "truncation": "disabled", "reasoning": None, "user": None}
 
     def finished(self, text: str) -> dict[str, Any]:
