@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,6 +43,7 @@ from .sessions import Sessions
 from .state import SessionSnapshot
 from .stream import TokenStream
 from .tier_store import TierStore
+from .turn_lock import TurnLock
 from .weights import WeightStore
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class Engine:
         self.path, self.manifest, self.device = path, manifest, device
         self._methods, self._store = methods, store
         self._baseline_used = baseline_used
-        self._lock = threading.RLock()
+        self._lock = TurnLock()  # the loop lets a waiting caller (a session's direct call) in between steps
         self.prompts = Prompts(manifest, path)
         self.closed = False
         self.config = EngineConfig()
@@ -276,7 +276,7 @@ class Engine:
         return next((m for m in self._methods.values() if m.role == role), None)
 
     @property
-    def lock(self) -> threading.RLock:
+    def lock(self) -> TurnLock:
         """Held while the device runs anything for this engine (a step, a session's direct call)."""
         return self._lock
 

@@ -15,6 +15,7 @@ import threading
 
 from .kv_tiers import TierIndex
 from .tier_store import TierStore
+from .turn_lock import TurnLock
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ _BATCH = 64  # blocks read between two takes of the engine's lock
 class HostTierWarmer:
     """The thread that reads ``index``'s reserved disk blocks into ``store``'s host slots (see the module doc)."""
 
-    def __init__(self, index: TierIndex, store: TierStore, lock: threading.RLock) -> None:
+    def __init__(self, index: TierIndex, store: TierStore, lock: TurnLock) -> None:
         self.index, self.store, self.lock = index, store, lock
         self._stop = threading.Event()
         with lock:

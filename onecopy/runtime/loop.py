@@ -24,6 +24,7 @@ from .request import Request
 from .runner import Launched, ModelRunner
 from .scheduler import Scheduler
 from .stream import TokenStream
+from .turn_lock import TurnLock
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ class EngineLoop:
     the lock: a request got its row; a request ended (before its stream finishes).
     """
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, lock: threading.RLock, *,
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, lock: TurnLock, *,
                  on_admitted: Callable[[Request], None], on_finished: Callable[[Request], None], overlap: bool,
                  recurrent_state: bool) -> None:
         self.scheduler, self.runner, self.lock = scheduler, runner, lock
@@ -144,6 +145,7 @@ class EngineLoop:
             while not (self._stopping or self.failed):
                 self._kick.clear()  # before looking for work: a kick after the look wakes the wait below
                 busy = False  # work was done while idle: look again before waiting (the lock let go between)
+                self.lock.yield_to_waiters()  # a caller waiting for the lock (a direct call) goes first
                 with self.lock:
                     work = pending is not None or self.scheduler.has_work()
                     if work:

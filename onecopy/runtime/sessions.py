@@ -9,7 +9,6 @@ applied first, and anything that raises there but onecopy's own typed errors fai
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -27,12 +26,13 @@ from .scheduler import Scheduler
 from .session import Session
 from .state import SessionSnapshot
 from .stream import TokenStream
+from .turn_lock import TurnLock
 
 
 class Sessions:
     """Open sessions by id, and the engine's side of `session.SessionHost`. Thread-safe (the engine's lock)."""
 
-    def __init__(self, *, runner: ModelRunner, scheduler: Scheduler, lock: threading.RLock, manifest: Manifest,
+    def __init__(self, *, runner: ModelRunner, scheduler: Scheduler, lock: TurnLock, manifest: Manifest,
                  prompts: Prompts, state_bytes_per_session: int, check_open: Callable[[], None],
                  usable: Callable[[], bool],
                  fail: Callable[[BaseException], EngineFailedError], submit: Callable[..., TokenStream],
