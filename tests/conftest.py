@@ -8,6 +8,7 @@ import io
 import logging
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -243,6 +244,46 @@ def wait_until(pred, timeout: float = 10.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+@dataclass
+class PreemptedRuns:
+    ids: list  # each request's generated ids
+    states: list  # each request's row state at its end (kept sessions)
+    preemptions: int
+    references: int  # KV block references left once every session closed (0: none leaked)
+    eos_ids: list
+
+
+# Six requests whose prompts and outputs need 4 KV blocks each, on 10 blocks: rows grow into each other's and the
+# newest are preempted and resumed, again and again (tests/test_preemption.py, test_structured_outputs.py)
+PREEMPTING_PROMPTS = [[3 + (7 * i + j) % 200 for j in range(20 + i)] for i in range(6)]
+
+
+def run_preempting(bundle: Path, params: list, *, deterministic: bool, overlap: bool | None = None) -> PreemptedRuns:
+    """`PREEMPTING_PROMPTS` with ``params`` on an engine of 10 KV blocks, all queued before the first step (the same
+    preemptions on every machine), each kept session read and closed on its own thread (its blocks free others')."""
+    load = dict(max_sessions=6, kv_blocks=10, deterministic=deterministic, new_token_ratio=0.0)
+    with onecopy.Engine.load(bundle, **load) as engine:
+        if overlap is not None:
+            engine.loop.overlap = overlap
+        with engine.lock:
+            streams = [engine.submit(p, q, chat=False, stop_ids=[], keep_session=True)
+                       for p, q in zip(PREEMPTING_PROMPTS, params)]
+        got, states = [None] * 6, [None] * 6
+
+        def collect(i: int) -> None:
+            got[i] = list(streams[i].result())
+            states[i] = {k: v.clone() for k, v in streams[i].session.state.items()}
+            streams[i].session.close()
+
+        threads = [threading.Thread(target=collect, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        return PreemptedRuns(got, states, engine.scheduler.stats.preemptions, engine.scheduler.kv.usage()["references"],
+                             engine.eos_token_ids)
 
 
 # -------------------------------------------------------------------------------- timeouts and the bundle cache

@@ -1,7 +1,6 @@
 """Blocks are the capacity: lazy KV blocks and preemption, as host policy (no bundle, no tensors) and on a
 real bundle (a preempted request's stream equals its solo run, bit for bit in deterministic mode)."""
 
-import threading
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from onecopy.runtime.request import Request, RequestStatus
 from onecopy.runtime.rows import RowLease
 from onecopy.runtime.scheduler import Scheduler
 
-from .conftest import wait_until
+from .conftest import PREEMPTING_PROMPTS, run_preempting, wait_until
 
 BS = 4
 
@@ -207,30 +206,12 @@ def test_requests_preempted_for_blocks_equal_their_solo_runs(tiny_bundle, determ
     back through the decode step: prefilled again, the KV of 4 of the 6 differed). With overlapped steps
     (CUDA's default) a preempted request still gets the ids of the steps queued before."""
     params = [SamplingParams(max_new_tokens=30, temperature=0.8, top_k=40, seed=i) for i in range(6)]
-    prompts = [[3 + (7 * i + j) % 200 for j in range(20 + i)] for i in range(6)]
-    load = dict(max_sessions=6, kv_blocks=10, deterministic=deterministic, new_token_ratio=0.0)
-    with onecopy.Engine.load(tiny_bundle, **load) as engine:
-        engine.loop.overlap = overlap
-        with engine.lock:  # all six queued before the first step: the same preemptions on every machine
-            streams = [engine.submit(p, q, chat=False, stop_ids=[], keep_session=True) for p, q in zip(prompts, params)]
-        got, states = [None] * 6, [None] * 6
-
-        def collect(i: int) -> None:  # each kept session closed as soon as it is read: its blocks free the others'
-            got[i] = list(streams[i].result())
-            states[i] = {k: v.clone() for k, v in streams[i].session.state.items()}
-            streams[i].session.close()
-
-        threads = [threading.Thread(target=collect, args=(i,)) for i in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert all(len(ids) == 30 for ids in got)
-        assert engine.scheduler.stats.preemptions >= 3
-        assert engine.scheduler.kv.usage()["references"] == 0
+    runs = run_preempting(tiny_bundle, params, deterministic=deterministic, overlap=overlap)
+    assert all(len(ids) == 30 for ids in runs.ids)
+    assert runs.preemptions >= 3 and runs.references == 0
     if not deterministic:
         return  # recomputed by the prefill: the same ids up to rounding, not bit for bit
-    for prompt, q, ids, state in zip(prompts, params, got, states):
+    for prompt, q, ids, state in zip(PREEMPTING_PROMPTS, params, runs.ids, runs.states):
         want_ids, want_state = _solo(tiny_bundle, prompt, q, max_sessions=1, deterministic=True)
         assert ids == want_ids
         for k in want_state:

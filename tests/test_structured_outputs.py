@@ -15,6 +15,8 @@ import onecopy
 from onecopy.grammar import Grammar, GrammarError
 from onecopy.params import SamplingParams
 
+from .conftest import PREEMPTING_PROMPTS, run_preempting
+
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 150},
                                            "color": {"enum": ["red", "green", "blue"]},
@@ -178,30 +180,13 @@ def test_preempted_constrained_requests_resume_their_grammar(tiny_bundle):
     """Six constrained requests on 10 KV blocks (tests/test_preemption.py's load): the newest are preempted and
     resumed by recompute; each resumed grammar replays the ids its request already has, so every output matches
     its regex and, in deterministic mode, equals its solo run."""
-    import threading
-
     pattern = r"[a-z]{12}-[0-9]{6}"
     params = [SamplingParams(max_new_tokens=30, temperature=0.8, top_k=40, seed=i, grammar=Grammar.regex(pattern))
               for i in range(6)]
-    prompts = [[3 + (7 * i + j) % 200 for j in range(20 + i)] for i in range(6)]
-    load = dict(max_sessions=6, kv_blocks=10, deterministic=True, new_token_ratio=0.0)
-    with onecopy.Engine.load(tiny_bundle, **load) as engine:
-        with engine.lock:  # all six queued before the first step
-            streams = [engine.submit(p, q, chat=False, stop_ids=[], keep_session=True) for p, q in zip(prompts, params)]
-        got = [None] * 6
-
-        def collect(i: int) -> None:  # each kept session closed once read: its blocks free the others'
-            got[i] = list(streams[i].result())
-            streams[i].session.close()
-
-        threads = [threading.Thread(target=collect, args=(i,)) for i in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert engine.scheduler.stats.preemptions >= 3
-        eos = engine.eos_token_ids
-    for prompt, q, ids in zip(prompts, params, got):
+    runs = run_preempting(tiny_bundle, params, deterministic=True)
+    assert runs.preemptions >= 3 and runs.references == 0
+    eos = runs.eos_ids
+    for prompt, q, ids in zip(PREEMPTING_PROMPTS, params, runs.ids):
         text_ids = ids[:ids.index(eos[0])] if eos[0] in ids else ids
         assert set(ids[len(text_ids):]) <= set(eos)  # once complete, only the end-of-sequence id
         with onecopy.Engine.load(tiny_bundle, max_sessions=1, deterministic=True) as solo:
