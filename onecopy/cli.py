@@ -457,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("onecopy").setLevel(args.log_level.upper())
+    # torch warns "No CUDA runtime is found" when loading a package on a machine with nvcc but no GPU: noise for a
+    # CPU run, and not one clear line
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     try:
         return args.fn(args)
     except OnecopyError as e:
