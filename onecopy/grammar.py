@@ -1,10 +1,10 @@
 """Constrained decoding: a request's output held to a JSON schema, any JSON object, a regex or a Lark grammar.
 
-The grammar engine is llguidance (Rust; no dependencies; its token masks take tens of microseconds a step, and a
-grammar compiles lazily as the output grows, so a new schema costs nothing up front). Per step each constrained
-row's allowed tokens come from its matcher as a bitmask (one bit a token) on the host, copied with the step's
-other parameters, and the on-device sampler sets every other token's logit to -inf before the penalty,
-temperature, top-k and top-p (`sampling.BatchSampler`): rows without a grammar are untouched. The matcher
+The grammar engine is llguidance (Rust; no dependencies; its token masks take tens of microseconds a step at the
+median, and a grammar compiles lazily as the output grows, so a new schema costs milliseconds, not seconds).
+Per step each constrained row's allowed tokens come from its matcher as a bitmask (one bit a token) on the
+host, copied with the step's other parameters, and the on-device sampler sets every other token's logit to
+-inf before the penalty, temperature, top-k and top-p (`sampling.BatchSampler`): rows without a grammar are untouched. The matcher
 follows the row's tokens (`advance`), so a step with a constrained row is sampled to the host before the next
 is planned. When the grammar is complete only the end-of-sequence ids stay allowed, and the request stops there.
 """
@@ -84,8 +84,8 @@ class Grammar:
 class Matcher:
     """One request's place in its grammar: the tokens allowed next, advanced by each token it emits."""
 
-    def __init__(self, matcher: Any, words: int) -> None:
-        self._m, self.words = matcher, words
+    def __init__(self, matcher: Any) -> None:
+        self._m = matcher
 
     def fill(self, out: np.ndarray) -> None:
         """Write the allowed tokens' bitmask (int32 [words]; bit t % 32 of word t // 32) into ``out``."""
@@ -98,11 +98,6 @@ class Matcher:
         stop, say) leaves it stopped: every later mask allows only the end-of-sequence ids."""
         self._m.consume_token(token)
 
-    @property
-    def accepting(self) -> bool:
-        """The output so far is a complete match."""
-        return bool(self._m.is_accepting())
-
 
 class GrammarCompiler:
     """The bundle tokenizer in llguidance's form (built at the first grammar: ~0.5 s) and the grammars checked
@@ -113,11 +108,6 @@ class GrammarCompiler:
         self._tokenizer: Any = None
         self._grammars: dict[str, str] = {}
         self._lock = threading.Lock()
-
-    @property
-    def words(self) -> int:
-        """int32 words of a row's bitmask (covering the model's vocabulary)."""
-        return (self.vocab_size + 31) // 32
 
     def _tok(self) -> Any:
         if self._tokenizer is None:
@@ -159,7 +149,7 @@ class GrammarCompiler:
         import llguidance
 
         text = self.compile(grammar)
-        m = Matcher(llguidance.LLMatcher(self._tok(), text), self.words)
+        m = Matcher(llguidance.LLMatcher(self._tok(), text))
         for t in emitted:
             m.advance(t)
         return m
