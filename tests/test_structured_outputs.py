@@ -166,6 +166,7 @@ def test_extension_constraints_and_errors_over_http(smol_server):
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
          "'response_format.json_schema.schema' is required"),
         ({"response_format": {"type": "yaml"}}, "response_format", "must be text, json_object or json_schema"),
+        ({"response_format": "json"}, "response_format", "'response_format' must be an object"),
         ({"guided_regex": "[a-"}, "guided_regex", "regex cannot be compiled"),
         ({"guided_regex": "a", "guided_grammar": 'start: "a"'}, "guided_grammar", "only one output constraint"),
     ]:

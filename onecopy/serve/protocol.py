@@ -162,7 +162,10 @@ def format_grammar(fmt: Any, param: str, nested: bool) -> Grammar | None:
     or ``schema`` (Responses' ``text.format``)."""
     if fmt in (None, {}):
         return None
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if not isinstance(fmt, dict):
+        raise bad_request(f"'{param}' must be an object, e.g. {{\"type\": \"json_object\"}}", param=param,
+                          code="invalid_value")
+    kind = fmt.get("type")
     if kind in (None, "text"):
         return None
     if kind == "json_object":
