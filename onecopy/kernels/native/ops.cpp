@@ -410,7 +410,7 @@ std::tuple<at::Tensor, at::Tensor> packed_linear(const at::Tensor& x_in, const a
   // Past 8 rows the packed GEMM with the same folds where it serves the weight (H200, int4 g128, the 8B shape's fused
   // gate/up weight with its norm and SwiGLU: 16 rows ~42 us against the GEMV's 59, 32 rows 53 against 104; the LM
   // head at 32 rows 195 against 355, bf16 258). A weight of few blocks (K split over a cluster) keeps the GEMV up to
-  // 16 rows (H100, int4 g128 at 16 rows, GEMV / GEMM: o 10.7 / 12.8 us, qkv 17.6 / 14.2, down 29.8 / 32.8; at 32
+  // 16 rows (H100, int4 g128 at 16 rows, GEMV / GEMM: o 10.7 / 12.8 us, qkv 14.1 (4 tiles a CTA) / 14.6, down 29.8 / 32.8; at 32
   // rows the GEMM: 17.1 / 16.5, 29.6 / 18.1, 49.5 / 42.5). Past kKernelMaxRows (32) the GEMV re-reads each weight
   // tile once per 32 rows: the unpacked weight and cuBLAS. The batch-invariant decode keeps the GEMV.
   if (!invariant && wgmma_serves(x, qweight, scales, mins, layout, group))  // folds around it, as around cuBLAS

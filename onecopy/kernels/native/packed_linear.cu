@@ -110,9 +110,14 @@ __device__ __forceinline__ uint4 times_norm(uint4 v, uint4 w) {
 #ifndef ONECOPY_RING16_KB
 #define ONECOPY_RING16_KB 72
 #endif
-template <int L, int GS, int G, int W>
+#ifndef ONECOPY_RING_WIDE_KB
+#define ONECOPY_RING_WIDE_KB 112
+#endif
+// G: weight tiles a stage (the kernel's G x T); Wide: T > 1, one CTA an SM: 3 stages of 4 int4 tiles (2 stages, a
+// 74 KB ring, measured the same: results/packed_linear_wide_h100.txt).
+template <int L, int GS, int G, int W, bool Wide = false>
 struct Ring {
-  static constexpr int kRingBytes = (W == 8 ? ONECOPY_RING_KB : ONECOPY_RING16_KB) * 1024;
+  static constexpr int kRingBytes = (Wide ? ONECOPY_RING_WIDE_KB : W == 8 ? ONECOPY_RING_KB : ONECOPY_RING16_KB) * 1024;
   static constexpr int kCh = L == kQ8sMma ? 32 : 64;                   // values a chunk of the tile order
   static constexpr int kStageSteps = 2 * kCh / 16;                     // MMA steps a stage
   static constexpr int kP = kStageSteps / GS;                          // scale periods a stage
@@ -122,7 +127,7 @@ struct Ring {
   static constexpr int kFit = kRingBytes / kPerStage;
   static constexpr int kStages = kFit > 8 ? 8 : kFit < 2 ? 2 : kFit;
   static constexpr int kBytes = kStages * kPerStage;
-  static_assert(kScaleCopies <= 64, "at most two 16-byte scale copies a lane and stage");
+  static_assert(kScaleCopies <= 128, "at most four 16-byte scale copies a lane and stage");
 };
 
 // L: layout; NT: 8-row n-tiles per CTA; GS: MMA steps per scale (a group's share of a stage); G: 2 with a
@@ -136,9 +141,16 @@ struct Ring {
 // int4 values enter the MMA as the exact bf16 integers 128 + q (one LOP3 a pair, no bias subtraction): the
 // bias comes back per scale period through x's sum over the period, s (sum x (128 + q) - b sum x) + m sum x
 // (b = 136 for q4z's q - 8, 128 for q4a), exact algebra; the sums stay far inside fp32's range and precision.
-template <int L, int NT, int GS, int G, bool S, int W>
-__global__ void __launch_bounds__(32 * W, (NT == 1 ? 4 : 2) * 8 / W) packed_linear_kernel(PackedLinearParams p) {
-  using R = Ring<L, GS, G, W>;
+//
+// T > 1 (wide, 9-16 rows): a CTA takes T neighbouring tiles at once and each B fragment of x read feeds the MMAs of
+// all T, so x's traffic from L2 is a T-th of one tile's (at 16 rows, one tile at a time read 4 bytes of x for each
+// byte of int4 weight). A tile's sums keep the same order (the warps' pairs, reduce_warps's tree): the same bits as
+// T = 1, so T may follow the rows.
+template <int L, int NT, int GS, int G, bool S, int W, int T = 1>
+__global__ void __launch_bounds__(32 * W, T > 1 ? 1 : (NT == 1 ? 4 : 2) * 8 / W)
+    packed_linear_kernel(PackedLinearParams p) {
+  constexpr int GT = G * T;  // weight tiles a stage: slot h T + u is weight h's tile u of the CTA's T
+  using R = Ring<L, GS, GT, W, (T > 1)>;
   constexpr int kWarps = W;  // this kernel's (the FP8 kernel keeps 8)
   constexpr int kThreads = 32 * W;
   constexpr int kCh = R::kCh;
@@ -151,17 +163,19 @@ __global__ void __launch_bounds__(32 * W, (NT == 1 ? 4 : 2) * 8 / W) packed_line
   constexpr int kSR = R::kScaleRows;
   constexpr int kSC = R::kScaleCopies;
   constexpr int kStages = R::kStages;
-  constexpr int kAcc = G * NT * 4;
+  constexpr int kAcc = GT * NT * 4;
+  static_assert(T == 1 || NT > 1, "wide CTAs take the reduce_warps path");
   extern __shared__ uint4 dyn[];
   __shared__ float red[NT == 1 ? 1 : W / 2 * kAcc * 32];
   __shared__ float red1[NT == 1 ? 2 * kWarps * kAcc * 32 : 1];
-  __shared__ float fin[G][16][kRows + 1];
+  __shared__ float fin[GT][16][kRows + 1];
   __shared__ float rstd[kRows];
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int row0 = blockIdx.x * kRows;
   const int tiles_out = p.n_out / 16;
+  const int spans = tiles_out / T;  // a CTA's units of work: T tiles each (the launch checks T divides the tiles)
   int tiles_done = 0;
   const int chunks = p.k / kCh;
   const int pairs = (chunks + 1) / 2;           // stages a tile (the last one half when chunks is odd)
@@ -175,10 +189,10 @@ __global__ void __launch_bounds__(32 * W, (NT == 1 ? 4 : 2) * 8 / W) packed_line
   // then the scale rows by warp. Copy u (lanes u and u - 32) of a stage's scales: row u / 4 = (h, period, scale or
   // min), part u % 4.
   uint4* ring_w = dyn;
-  float* ring_s = reinterpret_cast<float*>(dyn + kStages * 2 * G * kThreads);
+  float* ring_s = reinterpret_cast<float*>(dyn + kStages * 2 * GT * kThreads);
   const uint32_t ring_w_at = static_cast<uint32_t>(__cvta_generic_to_shared(ring_w)) + 16 * threadIdx.x;
   const uint32_t ring_s_at = static_cast<uint32_t>(__cvta_generic_to_shared(ring_s)) + 16 * (warp * kSC + lane);
-  constexpr int kCopies = kSC > 32 ? 2 : 1;  // scale copies a lane
+  constexpr int kCopies = (kSC + 31) / 32;  // scale copies a lane
   const float* s_src[kCopies];
   int s_off[kCopies];                         // (h tile offset, period) part of the source offset, in floats
   int s_k[kCopies];                           // the period's first value in the stage
@@ -186,26 +200,27 @@ __global__ void __launch_bounds__(32 * W, (NT == 1 ? 4 : 2) * 8 / W) packed_line
 #pragma unroll
   for (int i = 0; i < kCopies; ++i) {
     const int u = lane + 32 * i;
-    const int su = u >> 2, which = su % kSR, pp = (su / kSR) % kP, h = su / (kSR * kP);
+    const int su = u >> 2, which = su % kSR, pp = (su / kSR) % kP, slot = su / (kSR * kP);
     s_on[i] = u < kSC;
     s_k[i] = pp * GS * 16;
     s_src[i] = (kAffine && which ? p.mn : p.s) + 4 * (u & 3);
-    s_off[i] = h * tiles_out * groups * 16 + (((pp * GS * 16) >> group_shift) << 4);
+    s_off[i] = (slot % T + slot / T * tiles_out) * groups * 16 + (((pp * GS * 16) >> group_shift) << 4);
   }
-  // The next stage this warp copies: (tile, pair), advanced over this CTA's tiles.
+  // The next stage this warp copies: (span of T tiles, pair), advanced over this CTA's spans.
   int is_tile = blockIdx.y, is_p = warp, wr = 0;
   auto issue_next = [&]() {
-    if (is_tile < tiles_out && is_p < pairs) {
+    if (is_tile < spans && is_p < pairs) {
       const int c = 2 * is_p;
       const bool second = c + 1 < chunks;
 #pragma unroll
-      for (int h = 0; h < G; ++h) {
-        const uint4* src = w + ((static_cast<int64_t>(is_tile) + h * tiles_out) * chunks + c) * 32 + lane;
-        const uint32_t dst = ring_w_at + (wr * 2 * G + 2 * h) * kThreads * 16;
+      for (int h = 0; h < GT; ++h) {
+        const int64_t wt = static_cast<int64_t>(is_tile) * T + h % T + h / T * tiles_out;
+        const uint4* src = w + (wt * chunks + c) * 32 + lane;
+        const uint32_t dst = ring_w_at + (wr * 2 * GT + 2 * h) * kThreads * 16;
         copy_async16(dst, src);
         if (second) copy_async16(dst + kThreads * 16, src + 32);
       }
-      const int s_base = (is_tile * groups + ((c * kCh) >> group_shift)) * 16;
+      const int s_base = (is_tile * T * groups + ((c * kCh) >> group_shift)) * 16;
 #pragma unroll
       for (int i = 0; i < kCopies; ++i)
         if (s_on[i] && c * kCh + s_k[i] < p.k)  // not the missing half's periods of a tile's odd last chunk
@@ -312,26 +327,26 @@ __global__ void __launch_bounds__(32 * W, (NT == 1 ? 4 : 2) * 8 / W) packed_line
     xr1[nt] = min(nt * 8 + 2 * t + 1, mb - 1) * periods;
   }
   int rd = 0;
-  for (int tile = blockIdx.y; tile < tiles_out; tile += gridDim.y) {
-    float acc[G][NT][4] = {};
+  for (int span = blockIdx.y; span < spans; span += gridDim.y) {
+    float acc[GT][NT][4] = {};
     for (int pr = warp; pr < pairs; pr += kWarps) {
       __syncwarp();  // every lane has read the stage the next copy overwrites (the scale rows are shared)
       issue_next();
       copies_wait<kStages - 1>();  // this stage's copies (this thread's) are in,
       __syncwarp();                // and the other lanes' scale rows too
       const bool second = 2 * pr + 1 < chunks;
-      const uint4* wsrc = ring_w + rd * 2 * G * kThreads + threadIdx.x;
+      const uint4* wsrc = ring_w + rd * 2 * GT * kThreads + threadIdx.x;
       const float* sr = ring_s + (rd * kWarps + warp) * kSC * 4;
       rd = rd + 1 == kStages ? 0 : rd + 1;
-      float tmp[G][NT][4] = {};
+      float tmp[GT][NT][4] = {};
       float xs[NT] = {};
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         if (half == 1 && !second) break;
         const int c = 2 * pr + half;
-        uint4 wv[G];
+        uint4 wv[GT];
 #pragma unroll
-        for (int h = 0; h < G; ++h) wv[h] = wsrc[(2 * h + half) * kThreads];
+        for (int h = 0; h < GT; ++h) wv[h] = wsrc[(2 * h + half) * kThreads];
 #pragma unroll
         for (int j = 0; j < kSteps; ++j) {
           const int js = half * kSteps + j;  // the stage's step
@@ -352,7 +367,7 @@ __global__ void __launch_bounds__(32 * W, (NT == 1 ? 4 : 2) * 8 / W) packed_line
             if constexpr (kInt4 && !S) xs[nt] += (lo_f(v.x) + hi_f(v.x)) + (lo_f(v.y) + hi_f(v.y));
           }
 #pragma unroll
-          for (int h = 0; h < G; ++h) {
+          for (int h = 0; h < GT; ++h) {
             uint32_t a[4];
             dequant_step<L>(wv[h], j, a);
 #pragma unroll
@@ -379,7 +394,7 @@ __global__ void __launch_bounds__(32 * W, (NT == 1 ? 4 : 2) * 8 / W) packed_line
               }
             }
 #pragma unroll
-            for (int h = 0; h < G; ++h) {
+            for (int h = 0; h < GT; ++h) {
               const float* sc = sr + (h * kP + period) * kSR * 16;
               const float s0 = sc[g], s1 = sc[g + 8];
               // q4a: s (128 + q) + (m - 128 s) = s q + m; q4z: s (128 + q - 136)
@@ -428,12 +443,17 @@ __global__ void __launch_bounds__(32 * W, (NT == 1 ? 4 : 2) * 8 / W) packed_line
     ++tiles_done;
     if (warp == 0) {
 #pragma unroll
-      for (int h = 0; h < G; ++h)
+      for (int h = 0; h < GT; ++h)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) fin[h][g + 8 * (e >> 1)][nt * 8 + 2 * t + (e & 1)] = acc[h][nt][e];
-      __syncwarp();
+    }
+    // Wide CTAs: warp u writes tile u of the span (fin is read by the T warps after the barrier, and written again
+    // only after the next span's reduce_warps, whose barriers they reach once done); else warp 0 alone.
+    if constexpr (T > 1) __syncthreads(); else __syncwarp();
+    if (warp < T) {
+      const int u = warp, tile = span * T + u;
       // Epilogue: a row's 16 outputs in four quarters of 4 (lanes 4 r .. 4 r + 3 for the 8 rows of a block of 8;
       // one lane a row, the quarters in turn, for wider blocks); each quarter's sum of squares in order, then
       // (q0 + q1) + (q2 + q3): the same bits either way.
@@ -445,9 +465,9 @@ __global__ void __launch_bounds__(32 * W, (NT == 1 ? 4 : 2) * 8 / W) packed_line
         float ssq = 0.f;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          float v = round_bf16(fin[0][f0 + i][r] * scale);
+          float v = round_bf16(fin[u][f0 + i][r] * scale);
           if constexpr (G == 2) {  // silu(gate) * up, each rounded to bf16 as the eager ops are
-            const float up = round_bf16(fin[1][f0 + i][r] * scale);
+            const float up = round_bf16(fin[T + u][f0 + i][r] * scale);
             v = round_bf16(round_bf16(v / (1.f + __expf(-v))) * up);
           }
           if (res != nullptr) v = round_bf16(__bfloat162float(res[row * p.stride_r + tile * 16 + f0 + i]) + v);
@@ -819,13 +839,13 @@ inline unsigned persistent_ctas(const void* kernel, int threads, size_t smem, in
   return static_cast<unsigned>((tiles + rounds - 1) / rounds);
 }
 
-template <int L, int NT, int GS, int G, bool S, int W>
+template <int L, int NT, int GS, int G, bool S, int W, int T>
 void launch_kernel(const PackedLinearParams& p, size_t smem, cudaStream_t stream) {
-  auto kernel = packed_linear_kernel<L, NT, GS, G, S, W>;
+  auto kernel = packed_linear_kernel<L, NT, GS, G, S, W, T>;
   allow_smem(reinterpret_cast<const void*>(kernel), smem);
   const int row_blocks = (p.m + 8 * NT - 1) / (8 * NT);
   const unsigned ctas =
-      persistent_ctas(reinterpret_cast<const void*>(kernel), 32 * W, smem, p.n_out / 16, row_blocks);
+      persistent_ctas(reinterpret_cast<const void*>(kernel), 32 * W, smem, p.n_out / 16 / T, row_blocks);
   launch_overlapped(kernel, dim3(row_blocks, ctas), 32 * W, smem, stream, p);
 }
 
@@ -835,7 +855,13 @@ struct Plan {
   int warps;   // 8, or 16: the order of a tile's sums, so a function of the weight and the GPU (and, outside the
                // batch-invariant decode, of the rows)
   bool stage;  // x's rows staged in shared memory (where they fit beside the ring: smem_fits)
+  int wide;    // T: tiles a CTA takes at once (1, or ONECOPY_WIDE_T at 9-16 rows of int4 weights of many tiles)
 };
+
+// Wide CTAs at 9-16 rows (packed_linear_kernel's T; the harness's A/B builds): 1 = off.
+#ifndef ONECOPY_WIDE_T
+#define ONECOPY_WIDE_T 4
+#endif
 
 // H200, q4a / q8s g128, the 8B projections at 1 to 64 rows (benchmarks/packed_linear_variants.sh,
 // results/packed_linear_variants_h200.json):
@@ -849,6 +875,10 @@ struct Plan {
 //   rows pay where a CTA has many weight tiles (int4: gate/up's 2 x 896 and the LM head at 8 rows, 43 -> 35 and
 //   173 -> 130 us; the LM head at 16, 242 -> 187) and at int8 (o, qkv, gate/up, LM head at 8 and 16 rows,
 //   10-30%), not for int4 weights of few tiles (o at 16 rows 12.5 -> 29.4 us).
+// - 9-16 rows, int4: T = 4 tiles a CTA at once (x's L2 reads a quarter) where the spans of 4 tiles fill 2/3 of the
+//   SMs in one round (H100, folds on, results/packed_linear_wide_h100.txt: qkv 19.0 -> 14.1 us at 16 rows, 17.4 ->
+//   13.6 at 9; the packed GEMM 14.6). o and down (64 spans: half the SMs idle) were slower (10.8 -> 12.2, 30.7 ->
+//   35.0), T = 2 no faster anywhere, and int8, whose rows are staged at T = 1 (no room beside a wide ring), slower.
 // - past 16 rows, two row blocks of 16 staged rows where staging pays and fits (the LM head: int4 440 -> 353 us at
 //   32 rows, 853 -> 687 at 64), else blocks of 32 rows read x from L2 (int8 down, K = 14336: 57 us, not 84).
 template <int L, int GS>
@@ -869,25 +899,36 @@ Plan plan_for(const PackedLinearParams& p) {
   // 99 KB-shared-memory GPU; launch_rows checks the fit as well)
   plan.warps = !p.invariant && !p.glu && plan.nt == 1 && tiles <= 2 * sms ? 16 : 8;
   plan.stage = stage_pays(plan.nt);
+  constexpr int wide = ONECOPY_WIDE_T;
+  plan.wide = plan.nt == 2 && !int8 && !p.glu && wide > 1 && tiles % wide == 0 && 3 * (tiles / wide) >= 2 * sms
+                  ? wide : 1;
   return plan;
 }
 
 // Dynamic shared memory: the ring, then (staged) x's rows and, for int4, their sums over each scale period.
-template <int L, int NT, int GS, int G, int W>
+template <int L, int NT, int GS, int G, int W, int T = 1>
 void launch_glu(const PackedLinearParams& p, bool stage, cudaStream_t stream) {
   const size_t rows = static_cast<size_t>(p.m < 8 * NT ? p.m : 8 * NT);
   const size_t staged = rows * (p.k + 8) * 2;
   const size_t sums = L != kQ8sMma ? rows * (p.k / (16 * GS)) * 4 : 0;
-  const size_t ring = Ring<L, GS, G, W>::kBytes;
+  const size_t ring = Ring<L, GS, G * T, W, (T > 1)>::kBytes;
   if (stage &&
-      smem_fits(reinterpret_cast<const void*>(packed_linear_kernel<L, NT, GS, G, true, W>), ring + staged + sums))
-    launch_kernel<L, NT, GS, G, true, W>(p, ring + staged + sums, stream);
+      smem_fits(reinterpret_cast<const void*>(packed_linear_kernel<L, NT, GS, G, true, W, T>), ring + staged + sums))
+    launch_kernel<L, NT, GS, G, true, W, T>(p, ring + staged + sums, stream);
   else
-    launch_kernel<L, NT, GS, G, false, W>(p, ring, stream);
+    launch_kernel<L, NT, GS, G, false, W, T>(p, ring, stream);
 }
 
 template <int L, int NT, int GS>
 int launch_rows(const PackedLinearParams& p, const Plan& plan, cudaStream_t stream) {
+#if ONECOPY_WIDE_T > 1
+  if constexpr (NT == 2) {
+    if (plan.wide > 1) {
+      launch_glu<L, NT, GS, 1, 8, ONECOPY_WIDE_T>(p, plan.stage, stream);
+      return 0;
+    }
+  }
+#endif
   if (p.glu) {
     launch_glu<L, NT, GS, 2, 8>(p, plan.stage, stream);
     return 0;
