@@ -419,7 +419,8 @@ class Engine:
         a row is taken when one is free (waiting in the queue until then) and released when the
         request ends, unless ``keep_session``: then the session (``stream.session``) stays open
         with the conversation and the caller closes it. ``stop_ids`` (default: the model's eos
-        ids) end the request after being emitted. ``encode_inputs`` run through the encode method
+        ids) end the request after being emitted; a request with a grammar also ends at an eos id (its grammar
+        is complete). ``encode_inputs`` run through the encode method
         on the row before the prompt (e.g. audio features for a speech model). Raises InputError /
         PromptTooLongError for bad input, QueueFullError when ``max_queue`` requests already wait,
         EngineClosedError after close, EngineFailedError after a device error.
@@ -433,6 +434,10 @@ class Engine:
             encode_inputs = tuple(encode_inputs)
             self.method(self.role_method("encode")).check_inputs(encode_inputs)
         stop = frozenset(self.eos_token_ids if stop_ids is None else stop_ids)
+        if params.grammar is not None:
+            # A grammar allows an end-of-sequence id only once it is complete (and nothing else after): without it
+            # among the stop ids (ignore_eos) the request would emit end-of-sequence ids until max_new_tokens.
+            stop |= frozenset(self.eos_token_ids)
         req = Request(0, ids, params, stop, keep_row=keep_session, encode_inputs=encode_inputs)
         req.stream = stream = TokenStream(ids, params)
         if session is None:
