@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +29,8 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render the template as transformers does (sandboxed Jinja, trim_blocks, lstrip_blocks). InputError when
-        the template refuses the messages (its ``raise_exception``, e.g. roles out of the order it takes)."""
-        if not self.chat_template:
-            raise InputError("this bundle has no chat template; pass raw=True (--raw) to send the prompt as is")
+    @staticmethod
+    def _env() -> Any:
         from jinja2.exceptions import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -41,9 +39,30 @@ class Tokenizer:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
-        template = env.from_string(self.chat_template)
+        return env
+
+    @functools.cached_property
+    def takes_tools(self) -> bool:
+        """Whether the chat template renders tool definitions itself (it reads a ``tools`` variable)."""
+        if not self.chat_template:
+            return False
+        from jinja2 import meta
+
+        return "tools" in meta.find_undeclared_variables(self._env().parse(self.chat_template))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """Render the template as transformers does (sandboxed Jinja, trim_blocks, lstrip_blocks; ``tools`` passed
+        as its ``tools`` variable when given). InputError when the template refuses the messages (its
+        ``raise_exception``, e.g. roles out of the order it takes)."""
+        if not self.chat_template:
+            raise InputError("this bundle has no chat template; pass raw=True (--raw) to send the prompt as is")
+        from jinja2.exceptions import TemplateError
+
+        template = self._env().from_string(self.chat_template)
+        extra = {"tools": tools} if tools else {}
         try:
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
         except TemplateError as e:
             raise InputError(f"the model's chat template refuses these messages: {e}") from None
 

@@ -95,7 +95,7 @@ def test_the_event_stream_carries_the_reply_and_instructions_hold_for_their_turn
     ({"input": []}, 400, "input"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, 400, "input[0]"),
     ({"input": [{"role": "tool", "content": "x"}]}, 400, "input[0]"),
-    ({"input": "hi", "tools": [{"type": "function", "name": "f"}]}, 400, "tools"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools[0]"),
     ({"input": "hi", "instructions": 3}, 400, "instructions"),
     ({"input": "hi", "max_output_tokens": 100000}, 400, "max_output_tokens"),
     ({"input": "hi", "stream": "yes"}, 400, "stream"),

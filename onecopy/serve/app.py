@@ -36,6 +36,7 @@ from .protocol import GenerationRequest, check_model, parse_generation, parse_js
 from .responses import (DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_STORED, RESPONSE_ID_HEADER, ResponseStore, ResponsesRun,
                         StoredResponse, input_items_page, not_found, parse_response_request)
 from .text import ReplyText
+from .tools import Arguments, CallParser, CallStart, Event, Text, parse_reply
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +68,38 @@ class _Generation:
     reply: ReplyText
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
+    calls: CallParser | None = None  # a reply parsed for tool calls (the request's tools are active)
 
-    def finish_reason(self) -> str:
-        """OpenAI's reason for a reply that ended well (a failed one is `failure`'s)."""
-        return "stop" if self.reply.stopped or self.stream.finish_reason == "stop" else "length"
+    def __post_init__(self) -> None:
+        tools = self.req.tools
+        if tools is not None and tools.active:
+            self.calls = CallParser(tools.names())
+
+    def finish_reason(self, called: bool | None = None) -> str:
+        """OpenAI's reason for a reply that ended well (a failed one is `failure`'s): "tool_calls" when it ended
+        with tool calls (``called``; default: the streamed reply's parser has some)."""
+        if called is None:
+            called = self.calls is not None and any(c.complete for c in self.calls.calls)
+        ended = self.reply.stopped or self.stream.finish_reason == "stop"
+        return ("tool_calls" if called else "stop") if ended else "length"
+
+    def reply_events(self, piece: str, last: bool = False) -> list[Event]:
+        """Reply text as events: text, and tool calls when the request has tools (``last``: the reply's end)."""
+        if self.calls is None:
+            return [Text(piece)] if piece else []
+        return self.calls.push(piece) + (self.calls.flush() if last else [])
+
+    def chat_delta(self, event: Event) -> dict[str, Any] | None:
+        """A stream chunk's delta for ``event``, as OpenAI streams tool calls (id, type and name first, then the
+        arguments in pieces)."""
+        if isinstance(event, Text):
+            return {"content": event.text}
+        if isinstance(event, CallStart):
+            return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
+                                    "function": {"name": event.name, "arguments": ""}}]}
+        if isinstance(event, Arguments):
+            return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
+        return None  # a call's end: nothing to send
 
     def failure(self, error: BaseException | None = None) -> APIError | None:
         """The error to send when the request did not end well (cancelled or failed), else None."""
@@ -125,8 +154,12 @@ class _Generation:
             obj["usage"] = None
         return f"data: {json.dumps(obj)}\n\n"
 
-    def text_delta(self, text: str) -> dict[str, Any] | str:
-        return {"content": text} if self.req.kind == "chat" else text
+    def delta_chunks(self, piece: str, last: bool = False) -> list[str]:
+        """The stream chunks of a piece of the reply."""
+        if self.req.kind != "chat":
+            return [self.chunk(piece)] if piece else []
+        deltas = (self.chat_delta(e) for e in self.reply_events(piece, last))
+        return [self.chunk(d) for d in deltas if d is not None]
 
     async def events(self) -> AsyncIterator[str]:
         """The SSE stream; a client that goes away cancels the request (its row frees within an iteration)."""
@@ -139,8 +172,8 @@ class _Generation:
             try:
                 async for token_id in self.stream:
                     piece = self.reply.push(token_id)
-                    if piece:
-                        yield self.chunk(self.text_delta(piece))
+                    for chunk in self.delta_chunks(piece):
+                        yield chunk
                     if self.reply.stopped:
                         break
             except Exception as e:  # the stream raises its request's error: an error event, then [DONE]
@@ -151,9 +184,8 @@ class _Generation:
                 yield "data: [DONE]\n\n"
                 finished, status = True, failed.status
                 return
-            tail = self.reply.flush()
-            if tail:
-                yield self.chunk(self.text_delta(tail))
+            for chunk in self.delta_chunks(self.reply.flush(), last=True):
+                yield chunk
             yield self.chunk({} if self.req.kind == "chat" else "", self.finish_reason())
             if self.req.include_usage:
                 usage = {"id": f"{'chatcmpl' if self.req.kind == 'chat' else 'cmpl'}-{self.id}",
@@ -196,8 +228,15 @@ class _Generation:
     async def collect(self) -> dict[str, Any]:
         content = await self.text(self.req.kind)
         if self.req.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
-                      "finish_reason": self.finish_reason()}
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            called = False
+            if self.calls is not None:
+                parsed = parse_reply(content, self.calls.names, cut=self.finish_reason(False) == "length")
+                message["content"] = parsed.content
+                if parsed.calls:
+                    message["tool_calls"] = [c.item() for c in parsed.calls]
+                    called = True
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": self.finish_reason(called)}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": self.finish_reason()}

@@ -1,9 +1,10 @@
 """The OpenAI request bodies this server takes, checked into one `GenerationRequest` (or an APIError).
 
-Parameters the server cannot honour (n > 1, tools, logprobs, penalties other than repetition,
+Parameters the server cannot honour (n > 1, legacy functions, logprobs, penalties other than repetition,
 logit_bias, echo, suffix, best_of) are refused with a 400 that names them, never silently ignored.
 Structured outputs (`response_format` json_schema / json_object, and vLLM's ``guided_json``,
-``guided_regex`` and ``guided_grammar`` (Lark) as extensions) constrain the sampled tokens (`grammar`).
+``guided_regex`` and ``guided_grammar`` (Lark) as extensions) constrain the sampled tokens (`grammar`);
+``tools`` and ``tool_choice`` are `tools`'.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from ..errors import InputError
 from ..grammar import Grammar, GrammarError
 from ..params import SamplingParams
+from . import tools as tool_calls
 from .errors import APIError, bad_request, unsupported
 
 MAX_STOP_STRINGS = 4  # as the OpenAI API
@@ -32,6 +34,7 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says (benchmarks)
+    tools: tool_calls.ToolSet | None = None  # the request's tools (its reply parsed for calls when active)
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -67,9 +70,13 @@ def _int(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
 def _refuse_unsupported(body: dict, kind: str) -> None:
     if body.get("n") not in (None, 1):
         raise unsupported("n", "generating several choices per request (n > 1)")
-    for name in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"):
+    for name in ("functions", "function_call"):
         if body.get(name) not in (None, [], {}):
-            raise unsupported(name, "tool and function calling")
+            raise unsupported(name, "the legacy functions API (use tools and tool_choice)")
+    if kind == "completion":
+        for name in ("tools", "tool_choice", "parallel_tool_calls"):
+            if body.get(name) not in (None, [], {}):
+                raise unsupported(name, "tool calling in /v1/completions (use /v1/chat/completions)")
     if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
         raise unsupported("logprobs" if body.get("logprobs") not in (None, False, 0) else "top_logprobs", "log probabilities")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -96,17 +103,23 @@ def check_model(body: dict, served: str) -> None:
                        code="model_not_found")
 
 
-def _messages(body: dict) -> list[dict[str, str]]:
+def _messages(body: dict) -> list[dict[str, Any]]:
+    """{role, content} each (content text), an assistant's ``tool_calls`` and a tool result's ``tool_call_id``
+    kept (`tools.render` renders them)."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad_request("'messages' must be a non-empty list of {role, content} objects", param="messages",
                           code="invalid_value")
-    out = []
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
-            raise bad_request(f"messages[{i}] needs a role of system, developer, user or assistant", param=f"messages[{i}]",
-                              code="invalid_value")
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
+            raise bad_request(f"messages[{i}] needs a role of system, developer, user, assistant or tool",
+                              param=f"messages[{i}]", code="invalid_value")
         content = m.get("content")
+        calls = None
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = tool_calls.check_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+            content = "" if content is None else content
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
                 raise unsupported(f"messages[{i}].content", "content parts other than text")
@@ -115,7 +128,12 @@ def _messages(body: dict) -> list[dict[str, str]]:
             raise bad_request(f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}]",
                               code="invalid_value")
         role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": content})
+        msg: dict[str, Any] = {"role": role, "content": content}
+        if calls:
+            msg["tool_calls"] = calls
+        if role == "tool":
+            msg["tool_call_id"] = str(m.get("tool_call_id") or "")
+        out.append(msg)
     return out
 
 
@@ -181,6 +199,11 @@ def format_grammar(fmt: Any, param: str, nested: bool) -> Grammar | None:
     return Grammar.json_schema(spec["schema"])
 
 
+def constraint_param(body: dict, fmt_param: str) -> str:
+    """The field a request's output constraint came in (for errors about it)."""
+    return next((n for n in ("guided_json", "guided_regex", "guided_grammar") if body.get(n) is not None), fmt_param)
+
+
 def request_grammar(body: dict, fmt: Any, fmt_param: str, nested: bool, engine: Any) -> Grammar | None:
     """The one grammar a request asks for (its output format, or an extension: ``guided_json``, ``guided_regex``,
     ``guided_grammar`` in Lark), compiled against the engine's tokenizer: 400 with the engine's reason if it
@@ -222,12 +245,14 @@ def parse_generation(body: dict, kind: str, engine: Any, served: str) -> Generat
     """Check a /v1/chat/completions (kind "chat") or /v1/completions body against the engine."""
     check_model(body, served)
     _refuse_unsupported(body, kind)
+    tools = None
     if kind == "chat":
         messages = _messages(body)
+        tools = tool_calls.parse_tools(body, engine, nested=True)
         if not engine.manifest.generation.get("chat_template"):
             raise bad_request(f"model '{served}' has no chat template; use /v1/completions", param="messages")
         tok = engine.tokenizer
-        prompt_ids = tok.encode(tok.apply_chat_template(messages))
+        prompt_ids = tok.encode(tool_calls.render(tok, messages, tools))
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -248,6 +273,7 @@ def parse_generation(body: dict, kind: str, engine: Any, served: str) -> Generat
     params = generation_params(body, prompt_ids, engine, "messages" if kind == "chat" else "prompt",
                                ("max_completion_tokens", "max_tokens"))
     grammar = request_grammar(body, body.get("response_format"), "response_format", True, engine)
+    grammar = tool_calls.request_grammar(tools, grammar, constraint_param(body, "response_format"), engine)
     if grammar is not None:
         params = dataclasses.replace(params, grammar=grammar)
     stream = body.get("stream", False)
@@ -261,4 +287,4 @@ def parse_generation(body: dict, kind: str, engine: Any, served: str) -> Generat
     if not isinstance(ignore_eos, bool):
         raise bad_request("'ignore_eos' must be true or false", param="ignore_eos", code="invalid_value")
     return GenerationRequest(kind, prompt_ids, params, _stop(body), stream,
-                             bool(options and options.get("include_usage")), ignore_eos)
+                             bool(options and options.get("include_usage")), ignore_eos, tools)

@@ -8,6 +8,10 @@ token ids (prompt and reply as generated, never re-tokenized) followed by the re
 the previous turn left (a kept conversation, or its blocks in the prefix cache: the mechanism chat completions use)
 covers all but the new input, which is all that is prefilled. As in OpenAI's API, ``instructions`` apply to their
 own turn only.
+
+Tools (`tools`): ``tools`` in the Responses form, ``tool_choice`` and ``parallel_tool_calls``; calls come back as
+``function_call`` output items (streamed as the API does: the item added, its arguments' deltas, done), and their
+results go in as ``function_call_output`` input items, on ``previous_response_id`` or with the calls in ``input``.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from typing import Any, AsyncIterator
 from ..errors import InputError
 from ..state_files import oldest_first
 from .errors import APIError, bad_request, unsupported
-from .protocol import GenerationRequest, check_model, generation_params, request_grammar
+from . import tools as tool_calls
+from .protocol import GenerationRequest, constraint_param, check_model, generation_params, request_grammar
+from .tools import Arguments, CallEnd, CallStart, Text
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +54,7 @@ class StoredResponse:
     id: str
     body: dict[str, Any]  # the response object, as GET returns it
     input_items: list[dict[str, Any]]  # this turn's input, with item ids
-    messages: list[dict[str, str]]  # the conversation through this turn's reply (no instructions)
+    messages: list[dict[str, Any]]  # the conversation through this turn's reply (no instructions; `tools.render`'s)
     instructions: str | None
     prompt_text: str  # this turn's rendered prompt
     token_ids: array | None  # its prompt ids and the reply's ids (no stop id): what the next turn starts with
@@ -62,7 +68,7 @@ class StoredResponse:
     def nbytes(self) -> int:
         """About what the entry holds in memory: its ids and its texts (the conversation's, the prompt's)."""
         ids = 4 * len(self.token_ids) if self.token_ids is not None else 0
-        return ids + len(self.prompt_text) + len(self.reply_text) + sum(len(m["content"]) for m in self.messages) \
+        return ids + len(self.prompt_text) + len(self.reply_text) + len(json.dumps(self.messages)) \
             + len(json.dumps(self.body)) + len(json.dumps(self.input_items))
 
 
@@ -234,25 +240,42 @@ class ResponseTurn:
     req: GenerationRequest
     instructions: str | None
     input_items: list[dict[str, Any]]
-    messages: list[dict[str, str]]  # the conversation before this turn's reply (no instructions)
+    messages: list[dict[str, Any]]  # the conversation before this turn's reply (no instructions)
     prompt_text: str
     previous: StoredResponse | None
     store: bool
     metadata: dict[str, str]
     max_output_tokens: int | None  # as given (None: the rest of the context)
     text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})  # as given: the response echoes it
+    tools: list[dict[str, Any]] = field(default_factory=list)  # as given, with tool_choice and parallel_tool_calls
+    tool_choice: Any = "auto"
+    parallel_tool_calls: bool = True
     id: str = field(default_factory=lambda: "resp_" + uuid.uuid4().hex)  # what _ID matches
     created_at: float = field(default_factory=time.time)
 
 
 _ROLES = ("user", "assistant", "system", "developer")
-_UNSUPPORTED = {"tools": "tools (function calling)", "tool_choice": "tool_choice", "reasoning": "reasoning options",
+_UNSUPPORTED = {"reasoning": "reasoning options",
                 "include": "include", "background": "background responses", "prompt": "prompt templates",
                 "conversation": "conversation objects (use previous_response_id)"}
 
 
+def _call_item(m: dict, where: str) -> dict[str, Any]:
+    """A ``function_call`` (a call the model made, given back) or ``function_call_output`` (its result) input item."""
+    kind = m["type"]
+    need = ("call_id", "name", "arguments") if kind == "function_call" else ("call_id", "output")
+    missing = [k for k in need if not isinstance(m.get(k), str)]
+    if missing:
+        raise bad_request(f"{where} ({kind}) needs {', '.join(need)} as strings; missing or not a string: "
+                          f"{', '.join(missing)}", param=where, code="invalid_value")
+    prefix = "fc_" if kind == "function_call" else "fco_"
+    return {"id": m.get("id") or prefix + uuid.uuid4().hex, "type": kind, **{k: m[k] for k in need},
+            "status": "completed"}
+
+
 def _input_items(body: dict) -> list[dict[str, Any]]:
-    """``input`` as message items {id, type, role, content: [{type: input_text | output_text, text}]}."""
+    """``input`` as message items {id, type, role, content: [{type: input_text | output_text, text}]}, and
+    function_call / function_call_output items."""
     raw = body.get("input")
     if isinstance(raw, str):
         raw = [{"role": "user", "content": raw}]
@@ -262,9 +285,13 @@ def _input_items(body: dict) -> list[dict[str, Any]]:
     items = []
     for i, m in enumerate(raw):
         where = f"input[{i}]"
+        if isinstance(m, dict) and m.get("type") in ("function_call", "function_call_output"):
+            items.append(_call_item(m, where))
+            continue
         if not isinstance(m, dict) or m.get("type", "message") != "message":
             kind = m.get("type") if isinstance(m, dict) else type(m).__name__
-            raise unsupported(where, f"input items of type {kind!r} (messages only)")
+            raise unsupported(where, f"input items of type {kind!r} (messages, function_call and "
+                                     "function_call_output only)")
         if m.get("role") not in _ROLES:
             raise bad_request(f"{where} needs a role of {', '.join(_ROLES)}", param=where, code="invalid_value")
         content = m.get("content")
@@ -294,16 +321,43 @@ def _flag(body: dict, name: str, default: bool) -> bool:
     return v
 
 
-def _chat_messages(system: str | None, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+def _chat_messages(system: str | None, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return ([{"role": "system", "content": system}] if system else []) + messages
+
+
+def _item_messages(items: list[dict[str, Any]], before: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Input items as chat messages after the conversation ``before``: function_call items join the assistant
+    message before them (or make one), function_call_output items become tool messages, each answering a call
+    the conversation made (400 otherwise)."""
+    out: list[dict[str, Any]] = []
+    called = {c["id"] for m in before for c in m.get("tool_calls", ())}
+    for i, item in enumerate(items):
+        if item["type"] == "function_call":
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            called.add(item["call_id"])
+            if out and out[-1]["role"] == "assistant":
+                out[-1] = {**out[-1], "tool_calls": [*out[-1].get("tool_calls", ()), call]}
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif item["type"] == "function_call_output":
+            if item["call_id"] not in called:
+                raise bad_request(f"input[{i}]: no function call with call_id '{item['call_id']}' precedes this "
+                                  "function_call_output (give its function_call item in 'input', or continue the "
+                                  "response that made it with 'previous_response_id')", param=f"input[{i}]",
+                                  code="invalid_value")
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+        else:
+            out.append({"role": "system" if item["role"] == "developer" else item["role"],
+                        "content": "".join(p["text"] for p in item["content"])})
+    return out
 
 
 def parse_response_request(body: dict, engine: Any, served: str, store: ResponseStore) -> ResponseTurn:
     """Check a /v1/responses body against the engine and the store (an unknown previous_response_id: 400)."""
     check_model(body, served)
     for name, what in _UNSUPPORTED.items():
-        allowed = (None, "auto", "none") if name == "tool_choice" else (None, [], {}, False)
-        if body.get(name) not in allowed:
+        if body.get(name) not in (None, [], {}, False):
             raise unsupported(name, what)
     text = body.get("text")
     if text is not None and not isinstance(text, dict):
@@ -329,12 +383,12 @@ def parse_response_request(body: dict, engine: Any, served: str, store: Response
             raise not_found(prev_id, "previous_response_id")
     if not engine.manifest.generation.get("chat_template"):
         raise bad_request(f"model '{served}' has no chat template; use /v1/completions", param="input")
-    new = [{"role": "system" if m["role"] == "developer" else m["role"], "content": "".join(p["text"] for p in m["content"])}
-           for m in items]
-    messages = (previous.messages if previous is not None else []) + new
+    tools = tool_calls.parse_tools(body, engine, nested=False)
+    before = previous.messages if previous is not None else []
+    messages = before + _item_messages(items, before)
     tok = engine.tokenizer
     try:
-        prompt_text = tok.apply_chat_template(_chat_messages(instructions, messages))
+        prompt_text = tool_calls.render(tok, _chat_messages(instructions, messages), tools)
     except InputError as e:  # e.g. a template that takes no system message after the first turn
         raise bad_request(str(e), param="input", code="invalid_value") from None
     prompt_ids = None
@@ -347,12 +401,14 @@ def parse_response_request(body: dict, engine: Any, served: str, store: Response
         prompt_ids = tok.encode(prompt_text)
     params = generation_params(body, prompt_ids, engine, "input", ("max_output_tokens",))
     grammar = request_grammar(body, (text or {}).get("format"), "text.format", False, engine)
+    grammar = tool_calls.request_grammar(tools, grammar, constraint_param(body, "text.format"), engine)
     if grammar is not None:
         params = dataclasses.replace(params, grammar=grammar)
-    req = GenerationRequest("chat", prompt_ids, params, [], _flag(body, "stream", False))
+    req = GenerationRequest("chat", prompt_ids, params, [], _flag(body, "stream", False), tools=tools)
     fmt = (text or {}).get("format") or {"type": "text"}
     return ResponseTurn(req, instructions, items, messages, prompt_text, previous, _flag(body, "store", True), metadata,
-                        body.get("max_output_tokens"), fmt)
+                        body.get("max_output_tokens"), fmt, body.get("tools") or [], body.get("tool_choice") or "auto",
+                        tools.parallel if tools is not None else _flag(body, "parallel_tool_calls", True))
 
 
 class ResponsesRun:
@@ -361,15 +417,10 @@ class ResponsesRun:
 
     def __init__(self, run: Any, turn: ResponseTurn, store: ResponseStore) -> None:
         self.run, self.turn, self.store = run, turn, store
-        self.msg_id = "msg_" + uuid.uuid4().hex
         self.seq = 0
 
-    def response(self, status: str, text: str | None, error: APIError | None = None) -> dict[str, Any]:
+    def response(self, status: str, output: list[dict[str, Any]], error: APIError | None = None) -> dict[str, Any]:
         t, req, run = self.turn, self.turn.req, self.run
-        output = []
-        if text is not None:
-            output = [{"id": self.msg_id, "type": "message", "status": "completed" if status == "completed" else "incomplete",
-                       "role": "assistant", "content": [{"type": "output_text", "text": text, "annotations": []}]}]
         usage = None
         if status in ("completed", "incomplete"):
             u = run.usage()
@@ -384,27 +435,55 @@ class ResponsesRun:
                 "top_p": req.params.top_p, "store": t.store, "metadata": t.metadata, "usage": usage,
                 "error": None if error is None else {"code": error.code or "server_error", "message": error.message},
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                "text": {"format": t.text_format}, "tool_choice": "auto", "tools": [], "parallel_tool_calls": False,
-                "truncation": "disabled", "reasoning": None, "user": None}
+                "text": {"format": t.text_format}, "tool_choice": t.tool_choice, "tools": t.tools,
+                "parallel_tool_calls": t.parallel_tool_calls, "truncation": "disabled", "reasoning": None,
+                "user": None}
 
-    def finished(self, text: str) -> dict[str, Any]:
-        """The final response object; stored (with what the next turn builds on) unless ``store`` is false."""
+    @staticmethod
+    def message(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
+        return {"id": item_id or "msg_" + uuid.uuid4().hex, "type": "message", "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+    @staticmethod
+    def function_call(call: tool_calls.Call, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
+        return {"id": item_id or "fc_" + uuid.uuid4().hex, "type": "function_call", "status": status,
+                "arguments": call.arguments, "call_id": call.id, "name": call.name}
+
+    def output(self, text: str) -> list[dict[str, Any]]:
+        """A whole reply's output items: its text as a message and its tool calls as function_call items (a call
+        cut short by max_output_tokens is text)."""
+        run = self.run
+        if run.calls is None:
+            return [self.message(text)]
+        parsed = tool_calls.parse_reply(text, run.calls.names, cut=run.finish_reason(False) == "length")
+        items = [self.message(parsed.content)] if parsed.content is not None else []
+        return items + [self.function_call(c) for c in parsed.calls] or [self.message("")]
+
+    def finished(self, text: str, output: list[dict[str, Any]]) -> dict[str, Any]:
+        """The final response object of the reply ``text`` with its ``output`` items; stored (with what the next
+        turn builds on) unless ``store`` is false."""
         run, t = self.run, self.turn
-        status = "completed" if run.finish_reason() == "stop" else "incomplete"
-        body = self.response(status, text)
+        status = "completed" if run.finish_reason(False) == "stop" else "incomplete"
+        body = self.response(status, output)
         if t.store:
             ids = run.stream.ids
             if ids and run.stream.finish_reason == "stop":
                 ids = ids[:-1]  # the stop id: sampled, not part of the reply the template renders
-            self.store.put(StoredResponse(t.id, body, t.input_items, t.messages + [{"role": "assistant", "content": text}],
-                                          t.instructions, t.prompt_text, t.req.prompt_ids + list(ids), text))
+            content = "".join(p["text"] for i in output if i["type"] == "message" for p in i["content"])
+            reply: dict[str, Any] = {"role": "assistant", "content": content}
+            calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+                     for i in output if i["type"] == "function_call" and i["status"] == "completed"]
+            if calls:
+                reply["tool_calls"] = calls
+            self.store.put(StoredResponse(t.id, body, t.input_items, t.messages + [reply], t.instructions,
+                                          t.prompt_text, t.req.prompt_ids + list(ids), text))
         return body
 
     async def collect(self) -> dict[str, Any]:
         from starlette.concurrency import run_in_threadpool
 
         text = await self.run.text("responses")
-        return await run_in_threadpool(self.finished, text)  # the store may write a file
+        return await run_in_threadpool(self.finished, text, self.output(text))  # the store may write a file
 
     def event(self, type: str, **fields: Any) -> str:
         obj = {"type": type, "sequence_number": self.seq, **fields}
@@ -412,53 +491,115 @@ class ResponsesRun:
         return f"event: {type}\ndata: {json.dumps(obj)}\n\n"
 
     async def events(self) -> AsyncIterator[str]:
-        """The Responses event stream: created, in_progress, the message item and its text part opened, text deltas,
-        each closed, then completed or incomplete (failed, with its error, if the request failed)."""
+        """The Responses event stream: created, in_progress, then each output item: a message (added, its text part
+        added, text deltas, each done) or a function call (added, its arguments' deltas, done), then completed or
+        incomplete (failed, with its error, if the request failed)."""
         import asyncio
 
         run, loop = self.run, asyncio.get_running_loop()
         finished, status = False, 200
-        where = {"item_id": self.msg_id, "output_index": 0, "content_index": 0}
         try:
-            yield self.event("response.created", response=self.response("in_progress", None))
-            yield self.event("response.in_progress", response=self.response("in_progress", None))
-            yield self.event("response.output_item.added", output_index=0,
-                             item={"id": self.msg_id, "type": "message", "status": "in_progress", "role": "assistant",
-                                   "content": []})
-            yield self.event("response.content_part.added", **where,
-                             part={"type": "output_text", "text": "", "annotations": []})
+            yield self.event("response.created", response=self.response("in_progress", []))
+            yield self.event("response.in_progress", response=self.response("in_progress", []))
+            items = _StreamedItems(self)
             pieces, failed = [], None
             try:
                 async for token_id in run.stream:
                     piece = run.reply.push(token_id)
-                    if piece:
-                        pieces.append(piece)
-                        yield self.event("response.output_text.delta", **where, delta=piece, logprobs=[])
+                    pieces.append(piece)
+                    for e in items.push(run.reply_events(piece)):
+                        yield e
             except Exception as e:
                 failed = run.failure(e)
             failed = failed or run.failure()
             if failed is not None:
-                yield self.event("response.failed", response=self.response("failed", None, failed))
+                yield self.event("response.failed", response=self.response("failed", [], failed))
                 finished, status = True, failed.status
                 return
             tail = run.reply.flush()
-            if tail:
-                pieces.append(tail)
-                yield self.event("response.output_text.delta", **where, delta=tail, logprobs=[])
-            text = "".join(pieces)
-            part = {"type": "output_text", "text": text, "annotations": []}
-            yield self.event("response.output_text.done", **where, text=text, logprobs=[])
-            yield self.event("response.content_part.done", **where, part=part)
-            yield self.event("response.output_item.done", output_index=0,
-                             item={"id": self.msg_id, "type": "message", "status": "completed", "role": "assistant",
-                                   "content": [part]})
-            body = await loop.run_in_executor(None, self.finished, text)  # the store may write a file
+            pieces.append(tail)
+            for e in items.push(run.reply_events(tail, last=True)) + items.close():
+                yield e
+            body = await loop.run_in_executor(None, self.finished, "".join(pieces), items.output)  # may write a file
             yield self.event(f"response.{body['status']}", response=body)
             finished = True
         finally:
             if not finished:
                 run.stream.cancel(wait=False)  # never block the event loop; the loop frees the row
             loop.run_in_executor(None, run._settle_and_count, status if finished else 499, "responses")
+
+
+class _StreamedItems:
+    """A streamed reply's output items, as the events that open, fill and close them."""
+
+    def __init__(self, run: ResponsesRun) -> None:
+        self.run = run
+        self.output: list[dict[str, Any]] = []  # the items closed so far
+        self.message: tuple[str, list[str]] | None = None  # the open message item: its id and text
+        self.call: tuple[str, tool_calls.Call] | None = None  # the open function_call item: its id and call
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.message[0], "output_index": len(self.output), "content_index": 0}
+
+    def push(self, events: list[tool_calls.Event]) -> list[str]:
+        ev, out = self.run.event, []
+        for e in events:
+            if isinstance(e, Text):
+                if self.message is None:
+                    out += self._open_message()
+                self.message[1].append(e.text)
+                out.append(ev("response.output_text.delta", **self._where(), delta=e.text, logprobs=[]))
+            elif isinstance(e, CallStart):
+                out += self._close_message()
+                call = tool_calls.Call(e.id, e.name)
+                self.call = ("fc_" + uuid.uuid4().hex, call)
+                item = self.run.function_call(call, "in_progress", self.call[0])
+                out.append(ev("response.output_item.added", output_index=len(self.output), item=item))
+            elif isinstance(e, Arguments):
+                self.call[1].arguments += e.text
+                out.append(ev("response.function_call_arguments.delta", item_id=self.call[0],
+                              output_index=len(self.output), delta=e.text))
+            elif isinstance(e, CallEnd):
+                out += self._close_call("completed")
+        return out
+
+    def close(self) -> list[str]:
+        """The reply ended: the open item closed (a call cut short is incomplete); an empty reply is one empty
+        message."""
+        out = self._close_call("incomplete") if self.call is not None else []
+        if not self.output and self.message is None:
+            out += self._open_message()
+        return out + self._close_message()
+
+    def _open_message(self) -> list[str]:
+        self.message = ("msg_" + uuid.uuid4().hex, [])
+        ev = self.run.event
+        item = {"id": self.message[0], "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+        return [ev("response.output_item.added", output_index=len(self.output), item=item),
+                ev("response.content_part.added", **self._where(), part={"type": "output_text", "text": "",
+                                                                          "annotations": []})]
+
+    def _close_message(self) -> list[str]:
+        if self.message is None:
+            return []
+        ev, where, text = self.run.event, self._where(), "".join(self.message[1])
+        item = self.run.message(text, item_id=self.message[0])
+        out = [ev("response.output_text.done", **where, text=text, logprobs=[]),
+               ev("response.content_part.done", **where, part=item["content"][0]),
+               ev("response.output_item.done", output_index=len(self.output), item=item)]
+        self.output.append(item)
+        self.message = None
+        return out
+
+    def _close_call(self, status: str) -> list[str]:
+        (item_id, call), ev, index = self.call, self.run.event, len(self.output)
+        item = self.run.function_call(call, status, item_id)
+        out = [ev("response.function_call_arguments.done", item_id=item_id, output_index=index, name=call.name,
+                  arguments=call.arguments),
+               ev("response.output_item.done", output_index=index, item=item)]
+        self.output.append(item)
+        self.call = None
+        return out
 
 
 def input_items_page(entry: StoredResponse, order: str, limit: int, after: str | None) -> dict[str, Any]:

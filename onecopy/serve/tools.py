@@ -1,0 +1,508 @@
+"""Tools (function calling): a request's tools and tool_choice checked, rendered into the prompt, the grammar of a
+forced call, and the calls parsed out of the reply as it streams.
+
+Calls are written the Hermes / Qwen way: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``. A chat
+template that reads a ``tools`` variable renders the tools and the history's calls itself; for one that does not
+(SmolLM2's) onecopy puts the tools in the system prompt, with the instruction to answer a call in that form, and
+renders the history's calls as those blocks and tool results as ``<tool_response>`` blocks in a user turn.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from ..grammar import Grammar, GrammarError
+from .errors import bad_request, unsupported
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+CHOICES = ("auto", "none", "required")
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+# The start of a call up to its arguments object: its name is known before the arguments stream
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+_HEAD_MAX = 300  # characters after OPEN without a recognised head: the block is read whole at its CLOSE instead
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call: its name, description and JSON schema of its arguments."""
+
+    name: str
+    description: str | None
+    parameters: dict[str, Any]
+
+    def spec(self) -> dict[str, Any]:
+        """The Chat Completions form (what templates and the tools block show the model)."""
+        fn: dict[str, Any] = {"name": self.name}
+        if self.description:
+            fn["description"] = self.description
+        fn["parameters"] = self.parameters
+        return {"type": "function", "function": fn}
+
+
+@dataclass(frozen=True)
+class ToolSet:
+    """A request's tools and its choice: "auto" (the model decides; the reply is parsed), "none" (no tools shown,
+    nothing parsed), "required" (one call of any tool, constrained) or "function" (one call of ``name``)."""
+
+    tools: tuple[Tool, ...]
+    choice: str = "auto"
+    name: str | None = None
+    parallel: bool = True  # as given (the response echoes it); a constrained reply is one call either way
+
+    @property
+    def active(self) -> bool:
+        """Whether the tools are shown to the model and its reply parsed for calls."""
+        return bool(self.tools) and self.choice != "none"
+
+    @property
+    def forced(self) -> tuple[Tool, ...]:
+        """The tools a constrained call chooses among (none: unconstrained)."""
+        if self.choice == "required":
+            return self.tools
+        return tuple(t for t in self.tools if t.name == self.name) if self.choice == "function" else ()
+
+    def names(self) -> set[str]:
+        return {t.name for t in self.tools}
+
+
+def _json_arg(schema: dict[str, Any]) -> str:
+    """A JSON-schema rule's text for llguidance's Lark ``%json``, compact as `Grammar.json_schema`'s."""
+    return json.dumps({**schema, "x-guidance": {"whitespace_flexible": False, **schema.get("x-guidance", {})}})
+
+
+def call_schema(tool: Tool) -> dict[str, Any]:
+    """The JSON of one call of ``tool``: {"name": its name, "arguments": its parameters}. Definitions move to the
+    root, where the parameters' ``#/$defs/...`` references point once the parameters are nested."""
+    params = dict(tool.parameters)
+    defs = {k: params.pop(k) for k in ("$defs", "definitions") if k in params}
+    return {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": params},
+            "required": ["name", "arguments"], "additionalProperties": False, **defs}
+
+
+def call_grammar(tools: Iterable[Tool], content: Grammar | None = None) -> Grammar:
+    """One call of one of ``tools`` in its block (Lark with embedded JSON schemas), or, with ``content`` (a JSON
+    output format), that JSON instead."""
+    tools = list(tools)
+    lines = ["start: call | content" if content is not None else "start: call",
+             'call: "<tool_call>\\n" (' + " | ".join(f"fn_{i}" for i in range(len(tools))) + ') "\\n</tool_call>"']
+    lines += [f"fn_{i}: %json {_json_arg(call_schema(t))}" for i, t in enumerate(tools)]
+    if content is not None:
+        if content.kind not in ("json_schema", "json_object"):
+            raise GrammarError(f"a {content.kind} output constraint cannot be combined with tools")
+        schema = json.loads(content.text) if content.kind == "json_schema" else {"type": "object"}
+        if not isinstance(schema, dict):
+            raise GrammarError("a boolean JSON schema cannot be combined with tools")
+        lines.append(f"content: %json {_json_arg(schema)}")
+    return Grammar.lark("\n".join(lines))
+
+
+# -- the request ------------------------------------------------------------------------------------------------
+
+def _tool(raw: Any, where: str, nested: bool) -> Tool:
+    """One tool: Chat Completions' {"type": "function", "function": {name, ...}} (``nested``) or Responses'
+    {"type": "function", name, ...}."""
+    if not isinstance(raw, dict):
+        raise bad_request(f"'{where}' must be an object {{\"type\": \"function\", ...}}", param=where, code="invalid_value")
+    if raw.get("type") != "function":
+        raise unsupported(where, f"tools of type {raw.get('type')!r} (function tools only)")
+    fn = raw.get("function") if nested else raw
+    fwhere = f"{where}.function" if nested else where
+    if not isinstance(fn, dict):
+        raise bad_request(f"'{fwhere}' must be an object with the function's name and parameters", param=where,
+                          code="invalid_value")
+    name = fn.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise bad_request(f"'{fwhere}.name' must be 1 to 64 letters, digits, underscores or dashes, got {name!r}",
+                          param=where, code="invalid_value")
+    description = fn.get("description")
+    if description is not None and not isinstance(description, str):
+        raise bad_request(f"'{fwhere}.description' must be a string", param=where, code="invalid_value")
+    params = fn.get("parameters")
+    if params is None:
+        params = {"type": "object", "properties": {}}  # a function without arguments
+    if not isinstance(params, dict):
+        raise bad_request(f"'{fwhere}.parameters' must be a JSON schema object", param=where, code="invalid_value")
+    return Tool(name, description, params)
+
+
+def _choice(raw: Any, names: set[str], has_tools: bool) -> tuple[str, str | None]:
+    if raw is None:
+        return "auto", None
+    if isinstance(raw, str):
+        if raw not in CHOICES:
+            raise bad_request(f"'tool_choice' must be auto, none, required or a function, got {raw!r}",
+                              param="tool_choice", code="invalid_value")
+        if raw == "required" and not has_tools:
+            raise bad_request("'tool_choice' is required but no 'tools' are given: add the functions to 'tools'",
+                              param="tool_choice", code="invalid_value")
+        return raw, None
+    name = None
+    if isinstance(raw, dict) and raw.get("type") == "function":
+        fn = raw.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else raw.get("name")  # Chat Completions' or Responses' form
+    if not isinstance(name, str):
+        raise bad_request("'tool_choice' must be auto, none, required or {\"type\": \"function\", \"function\": "
+                          "{\"name\": ...}}", param="tool_choice", code="invalid_value")
+    if not has_tools:
+        raise bad_request(f"'tool_choice' names the function '{name}' but no 'tools' are given: add it to 'tools'",
+                          param="tool_choice", code="invalid_value")
+    if name not in names:
+        raise bad_request(f"'tool_choice' names the function '{name}', which is not among 'tools' "
+                          f"({', '.join(sorted(names))}): name one of them", param="tool_choice", code="invalid_value")
+    return "function", name
+
+
+def parse_tools(body: dict[str, Any], engine: Any, nested: bool) -> ToolSet | None:
+    """The request's tools and tool_choice (None without tools), each tool's parameters checked against the grammar
+    engine (400 with its reason). ``nested``: Chat Completions' tool form, else Responses'."""
+    raw = body.get("tools")
+    if raw is not None and not isinstance(raw, list):
+        raise bad_request("'tools' must be a list of function tools", param="tools", code="invalid_value")
+    tools = tuple(_tool(t, f"tools[{i}]", nested) for i, t in enumerate(raw or []))
+    names = [t.name for t in tools]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise bad_request(f"'tools' names the function '{dup}' twice: function names must be unique", param="tools",
+                          code="invalid_value")
+    choice, name = _choice(body.get("tool_choice"), set(names), bool(tools))
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad_request("'parallel_tool_calls' must be true or false", param="parallel_tool_calls",
+                          code="invalid_value")
+    if not tools:
+        return None
+    if choice != "none":
+        for i, t in enumerate(tools):  # each alone, so that the error names the tool
+            try:
+                engine.grammars.compile(call_grammar([t]))
+            except GrammarError as e:
+                raise bad_request(f"the parameters schema of tool '{t.name}' cannot be used: {e}", param=f"tools[{i}]",
+                                  code="invalid_value") from None
+    return ToolSet(tools, choice, name, True if parallel is None else parallel)
+
+
+def request_grammar(tools: ToolSet | None, content: Grammar | None, content_param: str | None,
+                    engine: Any) -> Grammar | None:
+    """The grammar a request with ``tools`` samples under: a forced call's, or for "auto" with a JSON output format,
+    a call or that JSON; else ``content`` (the output format's, `protocol.request_grammar`). A forced call has no
+    content, so its output format does not apply."""
+    if tools is None or not tools.active:
+        return content
+    if tools.forced:
+        grammar = call_grammar(tools.forced)
+    elif content is None:
+        return None
+    else:
+        try:
+            grammar = call_grammar(tools.tools, content)
+        except GrammarError as e:
+            raise bad_request(f"{e}: remove '{content_param}' or set tool_choice to none", param=content_param,
+                              code="invalid_value") from None
+    try:
+        engine.grammars.compile(grammar)
+    except GrammarError as e:
+        raise bad_request(str(e), param="tools", code="invalid_value") from None
+    return grammar
+
+
+# -- messages ---------------------------------------------------------------------------------------------------
+
+def check_tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` as given ([{id, type: function, function: {name, arguments}}])."""
+    if not isinstance(raw, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+            and isinstance(c["function"].get("arguments", ""), str) for c in raw):
+        raise bad_request(f"'{where}' must be a list of {{id, type: function, function: {{name, arguments}}}} with "
+                          "arguments as a JSON string", param=where, code="invalid_value")
+    return [{"id": str(c.get("id") or new_call_id()), "type": "function",
+             "function": {"name": c["function"]["name"], "arguments": c["function"].get("arguments") or "{}"}}
+            for c in raw]
+
+
+def block(name: str, arguments: str) -> str:
+    """A call as the model writes it (compact, as a constrained call is generated: the rendered history then
+    matches the tokens the conversation holds, and a kept conversation continues)."""
+    return f'{OPEN}\n{{"name":{json.dumps(name)},"arguments":{arguments}}}\n{CLOSE}'
+
+
+# Short: a small model's context is short (SmolLM2's bundles in the tests have 256 positions)
+SYSTEM_TOOLS = """# Tools
+
+Functions you may call, within <tools></tools>:
+<tools>
+{tools}
+</tools>
+To call one, answer with its name and arguments as JSON:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as templates that know tools take them (transformers' form: a call's arguments as an object)."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                try:
+                    args = json.loads(c["function"]["arguments"])
+                except json.JSONDecodeError:
+                    args = c["function"]["arguments"]
+                calls.append({**c, "function": {"name": c["function"]["name"], "arguments": args}})
+            m["tool_calls"] = calls
+        out.append(m)
+    return out
+
+
+def _plain_messages(messages: list[dict[str, Any]], tools: ToolSet | None) -> list[dict[str, str]]:
+    """Messages for a template that knows only roles and text: calls as blocks in the assistant's text, tool results
+    as <tool_response> blocks in a user turn (consecutive ones in one), the tools in the system prompt."""
+    out: list[dict[str, str]] = []
+    results = False  # the last message out is a user turn of tool results
+    for m in messages:
+        if m["role"] == "tool":
+            text = f"<tool_response>\n{m['content']}\n</tool_response>"
+            if results:
+                out[-1]["content"] += "\n" + text
+            else:
+                out.append({"role": "user", "content": text})
+            results = True
+            continue
+        content = m["content"]
+        if m.get("tool_calls"):
+            calls = "\n".join(block(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"])
+            content = f"{content}\n{calls}" if content else calls
+        out.append({"role": m["role"], "content": content})
+        results = False
+    if tools is not None and tools.active:
+        specs = (json.dumps(t.spec()["function"], separators=(",", ":")) for t in tools.tools)
+        text = SYSTEM_TOOLS.format(tools="\n".join(specs))
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{text}"}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def render(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolSet | None) -> str:
+    """The prompt of ``messages`` (role, content, and an assistant's ``tool_calls`` or a tool's ``tool_call_id``)."""
+    if tokenizer.takes_tools:
+        shown = [t.spec() for t in tools.tools] if tools is not None and tools.active else None
+        return tokenizer.apply_chat_template(_template_messages(messages), tools=shown)
+    return tokenizer.apply_chat_template(_plain_messages(messages, tools))
+
+
+# -- the reply --------------------------------------------------------------------------------------------------
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+@dataclass
+class Text:
+    text: str
+
+
+@dataclass
+class CallStart:
+    index: int
+    id: str
+    name: str
+
+
+@dataclass
+class Arguments:
+    index: int
+    text: str
+
+
+@dataclass
+class CallEnd:
+    index: int
+
+
+Event = Text | CallStart | Arguments | CallEnd
+
+
+@dataclass
+class Call:
+    id: str
+    name: str
+    arguments: str = ""
+    raw: str = OPEN  # the block's text as generated (for a call cut short: given back as text)
+    complete: bool = False
+
+    def item(self) -> dict[str, Any]:
+        """The call in Chat Completions' form."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass
+class CallParser:
+    """Reply text in (as it streams), text and calls out as `Event`s. Text that may start ``<tool_call>`` is held
+    back; whitespace beside a call is dropped. A call whose block starts ``{"name": "<a tool>", "arguments": {``
+    streams its arguments as they come; any other block is read whole at its ``</tool_call>`` and is a call if it
+    is such an object, else text. A call is complete (`calls`) at its ``</tool_call>``."""
+
+    names: set[str]
+    calls: list[Call] = field(default_factory=list)
+    _state: str = "text"  # text | head (after OPEN) | args | tail (after the arguments) | raw (read whole)
+    _buf: str = ""
+    _ws: str = ""  # trailing whitespace of the text, held until more text follows
+    _after_call: bool = False
+    _depth: int = 0
+    _in_string: bool = False
+    _escaped: bool = False
+
+    def push(self, text: str) -> list[Event]:
+        self._buf += text
+        out: list[Event] = []
+        while True:
+            before = (self._state, len(self._buf))
+            getattr(self, f"_{self._state}")(out)
+            if (self._state, len(self._buf)) == before:
+                return out
+
+    def flush(self) -> list[Event]:
+        """The end of the reply: held text given back; a block not closed is text unless its call had started."""
+        out: list[Event] = []
+        if self._state == "text":
+            self._emit(out, self._buf, final=True)
+        elif self._state in ("head", "raw"):
+            self._emit(out, OPEN + self._buf, final=True)
+        self._buf = ""
+        return out
+
+    @property
+    def open_call(self) -> Call | None:
+        """The call cut short (a reply that ended inside its block), if any."""
+        return self.calls[-1] if self.calls and not self.calls[-1].complete else None
+
+    def _emit(self, out: list[Event], text: str, final: bool = False) -> None:
+        if self._after_call:
+            text = text.lstrip()
+            self._after_call = not text
+        text, self._ws = self._ws + text, ""
+        if not final:
+            core = text.rstrip()
+            text, self._ws = core, text[len(core):]
+        elif self.calls:
+            text = text.rstrip()
+        if text:
+            out.append(Text(text))
+
+    def _text(self, out: list[Event]) -> None:
+        i = self._buf.find(OPEN)
+        if i >= 0:
+            self._emit(out, self._buf[:i])
+            self._ws, self._buf, self._state = "", self._buf[i + len(OPEN):], "head"
+            return
+        keep = next((k for k in range(min(len(OPEN) - 1, len(self._buf)), 0, -1) if self._buf.endswith(OPEN[:k])), 0)
+        cut = len(self._buf) - keep
+        if cut:
+            self._emit(out, self._buf[:cut])
+            self._buf = self._buf[cut:]
+
+    def _head(self, out: list[Event]) -> None:
+        m = _HEAD.match(self._buf)
+        if m is not None:
+            name = json.loads(m.group(1))
+            if name in self.names:
+                call = Call(new_call_id(), name, raw=OPEN + self._buf[:m.end()])
+                self.calls.append(call)
+                out.append(CallStart(len(self.calls) - 1, call.id, name))
+                self._buf, self._state = self._buf[m.end():], "args"
+                self._depth, self._in_string, self._escaped = 0, False, False
+                return
+        if m is not None or CLOSE in self._buf or len(self._buf) > _HEAD_MAX:
+            self._state = "raw"
+
+    def _args(self, out: list[Event]) -> None:
+        call, end = self.calls[-1], None
+        for i, ch in enumerate(self._buf):
+            if self._in_string:
+                self._escaped, self._in_string = (False, True) if self._escaped else (ch == "\\", ch != '"')
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    end = i + 1
+                    break
+        piece = self._buf[:end] if end is not None else self._buf
+        if piece:
+            call.arguments += piece
+            call.raw += piece
+            out.append(Arguments(len(self.calls) - 1, piece))
+        self._buf = self._buf[len(piece):]
+        if end is not None:
+            self._state = "tail"
+
+    def _tail(self, out: list[Event]) -> None:
+        j = self._buf.find(CLOSE)
+        if j < 0:
+            return
+        call = self.calls[-1]
+        call.raw += self._buf[:j + len(CLOSE)]
+        call.complete = True
+        out.append(CallEnd(len(self.calls) - 1))
+        self._buf, self._state, self._after_call = self._buf[j + len(CLOSE):], "text", True
+
+    def _raw(self, out: list[Event]) -> None:
+        j = self._buf.find(CLOSE)
+        if j < 0:
+            return
+        inner, self._buf, self._state = self._buf[:j], self._buf[j + len(CLOSE):], "text"
+        call = self._read_whole(inner)
+        if call is None:
+            self._emit(out, OPEN + inner + CLOSE)
+            return
+        self.calls.append(call)
+        index = len(self.calls) - 1
+        out += [CallStart(index, call.id, call.name), Arguments(index, call.arguments), CallEnd(index)]
+        self._ws, self._after_call = "", True
+
+    def _read_whole(self, inner: str) -> Call | None:
+        try:
+            obj = json.loads(inner)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(obj, dict) or obj.get("name") not in self.names:
+            return None
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):  # some models write the arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                return None
+        if not isinstance(args, dict):
+            return None
+        return Call(new_call_id(), obj["name"], json.dumps(args), OPEN + inner + CLOSE, complete=True)
+
+
+@dataclass
+class ParsedReply:
+    """A whole reply: its text outside calls (None if empty) and its complete calls."""
+
+    content: str | None
+    calls: list[Call]
+
+
+def parse_reply(text: str, names: set[str], cut: bool = False) -> ParsedReply:
+    """``text`` split into content and calls; ``cut`` (the reply ended at max_tokens): a call not closed is no call,
+    its text stays content."""
+    parser = CallParser(names)
+    events = parser.push(text) + parser.flush()
+    content = "".join(e.text for e in events if isinstance(e, Text))
+    open_call = parser.open_call
+    if open_call is not None and cut:
+        content = f"{content}\n{open_call.raw}" if content else open_call.raw
+    return ParsedReply(content or None, [c for c in parser.calls if c.complete])

@@ -1,0 +1,268 @@
+"""Tools (function calling): tools rendered into the prompt, forced calls constrained to their schema, calls parsed
+from the reply (streamed as deltas), in Chat Completions and Responses, with the official openai client on SmolLM2
+(`onecopy.serve.tools`)."""
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from onecopy.serve.tools import (CallEnd, CallParser, CallStart, Text, Tool, ToolSet, call_schema, parse_reply,
+                                 render)
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "A city's weather.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"], "additionalProperties": False}}}
+TOOLS = [WEATHER, ADD]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+def _responses_tool(t: dict) -> dict:
+    return {"type": "function", **t["function"]}
+
+
+def _check_call(call, name: str | None = None) -> dict:
+    """A parsed call: its name (``name`` if given) and its arguments valid against that tool's schema."""
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name in SCHEMAS and (name is None or call.function.name == name), call
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, SCHEMAS[call.function.name])
+    return args
+
+
+def _client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+# -- the parser and the renderer, on crafted text ----------------------------------------------------------------
+
+NAMES = {"get_weather", "add"}
+REPLY = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}ris \\"x\\"", "unit": '
+         '"celsius"}}\n</tool_call>\n<tool_call>\n{"arguments": {"a": 1, "b": 2}, "name": "add"}\n</tool_call>\n'
+         '<tool_call>not json</tool_call>\n<tool_call>{"name": "nope", "arguments": {}}</tool_call>')
+
+
+def test_parser_splits_text_and_calls_whatever_the_pieces():
+    whole = parse_reply(REPLY, NAMES)
+    assert [(c.name, json.loads(c.arguments)) for c in whole.calls] == [
+        ("get_weather", {"city": 'Pa}ris "x"', "unit": "celsius"}), ("add", {"a": 1, "b": 2})]
+    # malformed blocks and unknown tools stay text; whitespace beside calls goes
+    assert whole.content == ('Let me check.<tool_call>not json</tool_call><tool_call>{"name": "nope", "arguments": {}}'
+                             '</tool_call>')
+    for size in (1, 3, 7):  # streamed in pieces: the same text and calls, the first call's arguments as they come
+        parser = CallParser(NAMES)
+        events = [e for i in range(0, len(REPLY), size) for e in parser.push(REPLY[i:i + size])] + parser.flush()
+        assert "".join(e.text for e in events if isinstance(e, Text)) == whole.content
+        assert [e.name for e in events if isinstance(e, CallStart)] == ["get_weather", "add"]
+        assert sum(isinstance(e, CallEnd) for e in events) == 2
+        assert [c.arguments for c in parser.calls] == [c.arguments for c in whole.calls]
+        assert not any("<tool" in e.text for e in events[:3] if isinstance(e, Text))  # the tag was held back
+    assert parse_reply("no calls, a < b and <tool", NAMES).content == "no calls, a < b and <tool"
+    assert parse_reply("  spaced  ", NAMES).content == "  spaced  "  # text without calls: exactly as generated
+    cut = '<tool_call>\n{"name":"add","arguments":{"a":1,'
+    assert parse_reply(cut, NAMES, cut=True).calls == [] and parse_reply(cut, NAMES, cut=True).content == cut
+
+
+def test_tools_render_in_the_system_prompt_and_the_history_as_blocks(smol_engine):
+    tools = ToolSet((Tool("add", "Add.", SCHEMAS["add"]),))
+    tok = smol_engine.tokenizer
+    assert not tok.takes_tools  # SmolLM2's template knows no tools: onecopy renders them
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+2?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a":1,"b":2}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "3"},
+               {"role": "tool", "tool_call_id": "call_2", "content": "4"}]
+    text = render(tok, history, tools)
+    assert "<|im_start|>system\nBe brief.\n\n# Tools\n" in text and '{"name":"add","description":"Add."' in text
+    assert '<|im_start|>assistant\n<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call><|im_end|>' in text
+    assert "<|im_start|>user\n<tool_response>\n3\n</tool_response>\n<tool_response>\n4\n</tool_response><|im_end|>" in text
+    assert "# Tools" not in render(tok, history, ToolSet(tools.tools, "none"))  # none: not shown
+
+
+def test_a_template_that_knows_tools_renders_them():
+    from onecopy.tokenizer import Tokenizer
+
+    tok = Tokenizer.__new__(Tokenizer)
+    tok.chat_template = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}"
+                         "{% for c in m.tool_calls or [] %}<{{ c.function.arguments.a }}>{% endfor %}{% endfor %}")
+    assert tok.takes_tools
+    msgs = [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "add", "arguments": '{"a": 5}'}}]}]
+    assert render(tok, msgs, ToolSet((Tool("add", None, {}),))) == "[add]<5>"  # arguments as an object
+
+
+def test_definitions_move_to_the_root_of_a_call():
+    params = {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "$defs": {"P": {"type": "integer"}}}
+    schema = call_schema(Tool("f", None, params))
+    assert schema["$defs"] == {"P": {"type": "integer"}} and "$defs" not in schema["properties"]["arguments"]
+
+
+# -- Chat Completions ------------------------------------------------------------------------------------------
+
+def test_forced_and_required_calls_match_their_schema(smol_server):
+    client = _client(smol_server)
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    done = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, tool_choice=forced,
+                                          max_tokens=40, temperature=0)
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    assert len(choice.message.tool_calls) == 1
+    _check_call(choice.message.tool_calls[0], "get_weather")
+    # the same streamed: the first delta names the call, the arguments follow in pieces; the client accumulates them
+    with client.chat.completions.stream(model="smollm2", messages=ASK, tools=TOOLS, tool_choice=forced,
+                                        max_tokens=40, temperature=0) as stream:
+        chunks = [e.chunk for e in stream if e.type == "chunk"]
+        final = stream.get_final_completion()
+    deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].id and deltas[0].function.name == "get_weather" and len(deltas) > 2
+    assert all(d.index == 0 and d.function.name is None for d in deltas[1:])
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    call = final.choices[0].message.tool_calls[0]
+    assert _check_call(call, "get_weather") == json.loads(choice.message.tool_calls[0].function.arguments)
+    # required, two tools: one call of either
+    done = client.chat.completions.create(model="smollm2", tools=TOOLS, tool_choice="required", max_tokens=40,
+                                          temperature=0, messages=[{"role": "user", "content": "What is 17 plus 25?"}])
+    assert done.choices[0].finish_reason == "tool_calls"
+    _check_call(done.choices[0].message.tool_calls[0])
+
+
+def test_auto_none_and_a_history_with_tool_results(smol_server):
+    client = _client(smol_server)
+    done = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, max_tokens=40, temperature=0)
+    choice = done.choices[0]
+    if choice.message.tool_calls:  # the model chose to call: valid calls
+        assert choice.finish_reason == "tool_calls"
+        for call in choice.message.tool_calls:
+            _check_call(call)
+    else:
+        assert choice.finish_reason in ("stop", "length") and choice.message.content
+    done = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, tool_choice="none",
+                                          max_tokens=20, temperature=0)
+    assert done.choices[0].message.tool_calls is None and done.choices[0].finish_reason in ("stop", "length")
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city":"Paris","unit":"celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "sunny"}'}]
+    done = client.chat.completions.create(model="smollm2", messages=history, tools=TOOLS, tool_choice="none",
+                                          max_tokens=30, temperature=0)
+    assert done.choices[0].message.content and done.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_call_cut_by_max_tokens_is_no_call(smol_server):
+    client = _client(smol_server)
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    done = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, tool_choice=forced,
+                                          max_tokens=12, temperature=0)
+    choice = done.choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    assert choice.message.content.startswith('<tool_call>\n{"name":"get_'), choice.message.content
+    chunks = list(client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, tool_choice=forced,
+                                                 max_tokens=12, temperature=0, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+TOOL_ERRORS = [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "'tool_choice' names the function 'nope', which is not among 'tools' (add, get_weather)"),
+    ({"tools": None, "tool_choice": "required"}, "tool_choice", "no 'tools' are given"),
+    ({"tools": None, "tool_choice": {"type": "function", "function": {"name": "add"}}}, "tool_choice",
+     "names the function 'add' but no 'tools' are given"),
+    ({"tool_choice": "sometimes"}, "tool_choice", "must be auto, none, required or a function"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]}, "tools[0]",
+     "the parameters schema of tool 'f' cannot be used: the lark cannot be compiled"),
+    ({"tools": [{"type": "code_interpreter"}]}, "tools[0]", "tools of type 'code_interpreter' (function tools only)"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0]", "must be 1 to 64 letters"),
+    ({"tools": [WEATHER, WEATHER]}, "tools", "names the function 'get_weather' twice"),
+    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", "'parallel_tool_calls' must be true or false"),
+    ({"guided_regex": "(yes|no)"}, "guided_regex", "a regex output constraint cannot be combined with tools"),
+    ({"messages": ASK + [{"role": "assistant", "tool_calls": [{"function": {"name": "add", "arguments": {"a": 1}}}]}]},
+     "messages[1].tool_calls", "arguments as a JSON string"),
+]
+
+
+@pytest.mark.parametrize("extra, param, message", TOOL_ERRORS)
+def test_tool_errors_are_400s_that_name_the_problem(smol_server, extra, param, message):
+    body = {"model": "smollm2", "messages": ASK, "tools": TOOLS, "max_tokens": 5, **extra}
+    r = httpx.post(smol_server.url + "/v1/chat/completions", json={k: v for k, v in body.items() if v is not None},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and message in err["message"], err
+
+
+def test_auto_with_a_json_format_is_a_call_or_that_json(smol_server):
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+        "type": "object", "properties": {"answer": {"type": "string", "maxLength": 30}}, "required": ["answer"],
+        "additionalProperties": False}}}
+    done = _client(smol_server).chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS,
+                                                        response_format=fmt, max_tokens=40, temperature=0)
+    choice = done.choices[0]
+    if choice.message.tool_calls:
+        _check_call(choice.message.tool_calls[0])
+    else:
+        assert isinstance(json.loads(choice.message.content)["answer"], str)
+
+
+# -- Responses -------------------------------------------------------------------------------------------------
+
+def test_responses_function_calls_and_their_outputs_next_turn(smol_server):
+    client = _client(smol_server)
+    tools = [_responses_tool(WEATHER)]  # (one: the second turn must fit SmolLM2's 256 positions)
+    first = client.responses.create(model="smollm2", input=ASK[0]["content"], tools=tools,
+                                    tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40,
+                                    temperature=0)
+    assert first.status == "completed" and [o.type for o in first.output] == ["function_call"]
+    call = first.output[0]
+    assert call.name == "get_weather" and call.call_id.startswith("call_") and call.id.startswith("fc_")
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS["get_weather"])
+    assert first.tool_choice.name == "get_weather" and [t.name for t in first.tools] == ["get_weather"]
+    # the result, on previous_response_id: the previous turn's tokens continue (its call rendered as generated, the
+    # same tools shown), so only the new input is prefilled
+    second = client.responses.create(model="smollm2", previous_response_id=first.id, tools=tools,
+                                     input=[{"type": "function_call_output", "call_id": call.call_id,
+                                             "output": '{"temperature": 21}'}], max_output_tokens=16, temperature=0)
+    assert second.status in ("completed", "incomplete") and second.output
+    assert all(o.type in ("message", "function_call") for o in second.output)
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens + first.usage.output_tokens - 1
+    items = client.responses.input_items.list(second.id)
+    assert [i.type for i in items.data] == ["function_call_output"]
+    # the same without the store: the call given back in input
+    again = client.responses.create(model="smollm2", tools=tools, store=False, input=[
+        {"role": "user", "content": ASK[0]["content"]},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature": 21}'}],
+        max_output_tokens=16, temperature=0)
+    assert [o.type for o in again.output] == [o.type for o in second.output]
+    assert again.output_text == second.output_text
+    r = httpx.post(smol_server.url + "/v1/responses", timeout=60, json={
+        "model": "smollm2", "input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]})
+    assert r.status_code == 400 and "no function call with call_id 'call_x'" in r.json()["error"]["message"]
+
+
+def test_responses_stream_function_call_events(smol_server):
+    client = _client(smol_server)
+    tools = [_responses_tool(t) for t in TOOLS]
+    events = list(client.responses.create(model="smollm2", input="What is 17 plus 25?", tools=tools,
+                                          tool_choice="required", max_output_tokens=40, temperature=0, stream=True))
+    types = [e.type for e in events]
+    assert types[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert events[2].item.type == "function_call" and events[2].item.status == "in_progress"
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert len(deltas) > 2 and "".join(deltas) == done.arguments
+    assert types[-2:] == ["response.output_item.done", "response.completed"]
+    item = events[-2].item
+    assert item.type == "function_call" and item.status == "completed" and item.arguments == done.arguments
+    jsonschema.validate(json.loads(item.arguments), SCHEMAS[item.name])
+    assert events[-1].response.output[0].call_id == item.call_id
+    stored = client.responses.retrieve(events[-1].response.id)
+    assert stored.output[0].arguments == item.arguments
