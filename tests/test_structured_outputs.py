@@ -77,14 +77,18 @@ def test_regex_lark_and_any_json_object(tiny_engine):
 
 
 def test_constrained_and_free_rows_share_steps_without_bleed(tiny_bundle):
-    # a free request's tokens are those of its solo run while a constrained one decodes beside it, and the other way
+    # a free request's tokens are those of its solo run while a constrained one decodes beside it, and the other way;
+    # with overlapped steps too (as on CUDA: a grammar takes a step's ids only when the next step's masks are made)
     free = SamplingParams(temperature=1.0, seed=5, max_new_tokens=24)
     bound = SamplingParams(temperature=1.0, seed=6, max_new_tokens=56, grammar=Grammar.json_schema(SMALL))
     with onecopy.Engine.load(tiny_bundle, device="cpu", max_sessions=4, deterministic=True) as engine:
         solo_free = list(engine.submit("free", free, chat=False))
         solo_bound = list(engine.submit("bound", bound, chat=False))
-        a, b = engine.submit("free", free, chat=False), engine.submit("bound", bound, chat=False)
-        assert (list(a), list(b)) == (solo_free, solo_bound)
+        for overlap in (False, True):
+            engine.loop.overlap = overlap
+            with engine.lock:  # both queued before the first step: they share every step
+                a, b = engine.submit("free", free, chat=False), engine.submit("bound", bound, chat=False)
+            assert (list(a), list(b)) == (solo_free, solo_bound), overlap
     _check_small(json.loads(engine.tokenizer.decode(solo_bound)))
 
 
@@ -184,7 +188,7 @@ def test_preempted_constrained_requests_resume_their_grammar(tiny_bundle):
     pattern = r"[a-z]{16}-[0-9]{10}"  # long enough that each request still grows to 4 KV blocks
     params = [SamplingParams(max_new_tokens=30, temperature=0.8, top_k=40, seed=i, grammar=Grammar.regex(pattern))
               for i in range(6)]
-    runs = run_preempting(tiny_bundle, params, deterministic=True)
+    runs = run_preempting(tiny_bundle, params, deterministic=True, overlap=True)  # resumed with a step in flight
     assert runs.preemptions >= 3 and runs.references == 0
     eos = runs.eos_ids
     for prompt, q, ids in zip(PREEMPTING_PROMPTS, params, runs.ids):
