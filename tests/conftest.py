@@ -50,6 +50,27 @@ def fallback_bundle() -> Path:
     return cached_bundle("tiny-llama", max_seq_len=TINY_MAX_SEQ_LEN, embed_weights=("decode",))
 
 
+@dataclass
+class CliExport:
+    """A real `onecopy export` by the command line (not through the bundle cache)."""
+
+    checkpoint: Path  # tiny-llama saved as an HF checkpoint directory: the source
+    out: Path  # the bundle the command wrote
+    result: "CliResult"
+
+
+@pytest.fixture(scope="session")
+def decode_only_export(tmp_path_factory: pytest.TempPathFactory, tiny_source: ModelSource) -> CliExport:
+    """`onecopy export CHECKPOINT --max-seq-len 32 --methods decode`: tiny-llama's weights from an HF checkpoint
+    directory, decode only (the cheapest bundle that generates). One real export for the session: test_cli checks
+    the command and its bundle, test_scheduler serves the bundle (prompts through the batched decode)."""
+    root = tmp_path_factory.mktemp("decode_only")
+    checkpoint = root / "ckpt"
+    tiny_source.save_hf(checkpoint)
+    out = root / "b"
+    return CliExport(checkpoint, out, run_cli("export", checkpoint, "--out", out, "--max-seq-len", "32", "--methods", "decode"))
+
+
 @pytest.fixture
 def tiny_engine(tiny_bundle: Path):
     with onecopy.Engine.load(tiny_bundle) as engine:

@@ -69,15 +69,13 @@ def test_errors_are_one_clear_line(tmp_path, tiny_bundle):
     assert r.returncode == 2 and "top_p must be in (0, 1]" in r.stderr and r.stderr.count("\n") == 1
 
 
-def test_export_from_hf_checkpoint_dir(tmp_path, tiny_source):
-    """A real export by the command line (decode only, 16 positions: the cheapest that generates)."""
-    ckpt = tmp_path / "ckpt"
-    tiny_source.save_hf(ckpt)
-    out = tmp_path / "b"
-    r = run_cli("export", ckpt, "--out", out, "--max-seq-len", "16", "--methods", "decode")
+def test_export_from_hf_checkpoint_dir(decode_only_export, tiny_source):
+    """A real export by the command line (decode only, 32 positions: the session's `decode_only_export`, which
+    test_scheduler serves too)."""
+    ckpt, out, r = decode_only_export.checkpoint, decode_only_export.out, decode_only_export.result
     assert r.returncode == 0, r.stderr
     assert (out / "methods" / "decode.pt2").is_file() and not (out / "methods" / "prefill.pt2").exists()
-    r = run_cli("export", ckpt, "--out", out, "--max-seq-len", "16", "--methods", "decode")
+    r = run_cli("export", ckpt, "--out", out, "--max-seq-len", "32", "--methods", "decode")
     assert r.returncode == 2 and "already exists; pass overwrite=True (--overwrite)" in r.stderr
     # A decode-only bundle still generates: the prompt goes through decode token by token.
     with oc.Engine.load(out) as e:

@@ -173,9 +173,11 @@ def test_a_burst_that_fits_free_rows_plus_queue_is_accepted(tiny_bundle):
         assert all(len(s.result(timeout=60)) == GREEDY.max_new_tokens for s in streams)
 
 
-def test_decode_only_bundle_feeds_prompts_through_batched_decode(tiny_bundle, tmp_path, tiny_source, exports_via_cache):
-    """Without a prefill method, prompt tokens ride the batched decode step, one per iteration."""
-    out = onecopy.export(tiny_source, tmp_path / "d", max_seq_len=32, methods=("decode",), progress=False)
+def test_decode_only_bundle_feeds_prompts_through_batched_decode(tiny_bundle, decode_only_export):
+    """Without a prefill method, prompt tokens ride the batched decode step, one per iteration (the bundle: tiny-llama
+    exported decode only, 32 positions, by the command line from an HF checkpoint: conftest.decode_only_export)."""
+    out = decode_only_export.out
+    assert decode_only_export.result.returncode == 0, decode_only_export.result.stderr
     with onecopy.Engine.load(out, max_sessions=4) as d, onecopy.Engine.load(tiny_bundle) as full:
         prompts = [[1, 2, 3], [9, 8, 7, 6, 5], [42]]
         want = [full.submit(p, GREEDY, stop_ids=[]).result(timeout=60) for p in prompts]
