@@ -58,6 +58,7 @@ from typing import Any, Callable, ContextManager
 import torch
 
 import onecopy
+from onecopy.export.compile_worker import CompileWorkers
 from onecopy.models.source import EMBEDDED_DEFAULT, EMBEDDED_WHISPER, ModelSource, embedded_default_gguf, embedded_whisper_dir
 from onecopy.models.presets import PRESETS
 
@@ -81,6 +82,8 @@ _used: dict[Path, dict] = {}  # entries handed out in this process -> their fing
 _exports: list[tuple[str, float]] = []  # (entry name, seconds) of the exports this process ran
 # Wraps each export this process runs (a cache miss); conftest sets it to give the export a timeout of its own.
 export_guard: Callable[[], ContextManager[None]] = contextlib.nullcontext
+# The compile workers the exports run in (conftest's session pool: kept between exports); None: each its own.
+export_workers: CompileWorkers | None = None
 
 
 def cache_root() -> Path | None:
@@ -271,7 +274,7 @@ def export_options(**options: Any) -> dict[str, Any]:
     bound.apply_defaults()
     out = {}
     for k, v in bound.arguments.items():
-        if k in ("source", "out_dir", "overwrite", "progress"):
+        if k in ("source", "out_dir", "overwrite", "progress", "workers"):  # (where, not what)
             continue
         if isinstance(v, torch.dtype):
             v = str(v)
@@ -353,8 +356,9 @@ def _export(source, options: dict, material: dict, root: Path, entry: Path) -> d
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}-", dir=root))
     try:
         t0 = time.monotonic()
+        pool = export_workers if "jobs" not in options else None
         with export_guard():
-            _EXPORT(source, tmp / BUNDLE_DIR, progress=False, **options)
+            _EXPORT(source, tmp / BUNDLE_DIR, progress=False, workers=pool, **options)
         seconds = time.monotonic() - t0
         _read_only(tmp / BUNDLE_DIR)
         record = {"key": material, "fingerprint": _fingerprint(tmp / BUNDLE_DIR), "export_seconds": round(seconds, 1),

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import onecopy
+from onecopy.export.compile_worker import CompileWorkers, compile_jobs
 from onecopy.models.source import EMBEDDED_DEFAULT, EMBEDDED_WHISPER, ModelSource, preset_source, resolve_source
 
 from . import bundle_cache
@@ -31,6 +32,22 @@ EXPORT_TIMEOUT_S = 900
 @pytest.fixture(scope="session")
 def tiny_source() -> ModelSource:
     return preset_source("tiny-llama")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compile_pool():
+    """One pool of compile workers for the session's exports through the bundle cache, kept between them: each
+    fresh worker costs ~7 s of CPU to import torch and Inductor, and more to warm up (the bundles are the same)."""
+    n = compile_jobs(None, 2)
+    if n < 2:
+        yield None
+        return
+    with CompileWorkers(n, start=False) as pool:  # started at the first export that misses the cache
+        bundle_cache.export_workers = pool
+        try:
+            yield pool
+        finally:
+            bundle_cache.export_workers = None
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import torch
 
 import onecopy
 from onecopy.export import compile_worker, exporter
-from onecopy.export.compile_worker import compile_jobs, package_constants
+from onecopy.export.compile_worker import CompileWorkers, compile_jobs, package_constants
 from onecopy.export.exporter import written_inputs
 from onecopy.models.source import preset_source
 
@@ -223,8 +223,22 @@ def test_a_method_failing_in_a_worker_is_an_export_error_naming_it(tiny_source, 
         return real(name, ep, package, configs, *rest)
 
     monkeypatch.setattr(exporter, "make_task", broken_decode)
-    with pytest.raises(onecopy.ExportError, match=r"compiling method 'decode' failed: RuntimeError: Please pass in a "
-                                                  r"package path") as e:
-        onecopy.export(tiny_source, tmp_path / "b", max_seq_len=TINY_MAX_SEQ_LEN, progress=False, jobs=2)
+    with CompileWorkers(2) as pool:  # a caller's pool: a failure stops its workers (the next export starts them)
+        with pytest.raises(onecopy.ExportError, match=r"compiling method 'decode' failed: RuntimeError: Please pass "
+                                                      r"in a package path") as e:
+            onecopy.export(tiny_source, tmp_path / "b", max_seq_len=TINY_MAX_SEQ_LEN, progress=False, workers=pool)
+        assert pool.workers == [] and pool.idle == [] and not pool.busy
     assert "Traceback" in str(e.value.__cause__)  # the worker's
     assert list(tmp_path.iterdir()) == []  # no bundle, no partial directory
+
+
+def test_a_callers_pool_of_workers_outlives_the_export_and_makes_the_same_bundle(tiny_source, tmp_path, serial_bundle):
+    with CompileWorkers(2) as pool:
+        pids = [w.proc.pid for w in pool.workers]
+        out = onecopy.export(tiny_source, tmp_path / "b", max_seq_len=TINY_MAX_SEQ_LEN, progress=False, workers=pool)
+        # the same processes, alive and idle for the caller's next export
+        assert [w.proc.pid for w in pool.workers] == pids and all(w.proc.poll() is None for w in pool.workers)
+        assert len(pool.idle) == 2 and not pool.busy and pool.serves_this_process()
+        procs = [w.proc for w in pool.workers]
+    assert all(p.poll() is not None for p in procs)  # the caller's close stopped them
+    assert _manifest(out) == _manifest(serial_bundle)

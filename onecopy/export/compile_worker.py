@@ -339,28 +339,65 @@ class _Worker:
     task: str | None = None
 
 
-class CompileWorkers:
-    """``n`` compile worker processes, started at once (they import torch and Inductor while the exporter traces)."""
+def _worker_env() -> dict[str, str]:
+    root = str(Path(__file__).resolve().parents[2])  # the directory holding this onecopy package
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
 
-    def __init__(self, n: int) -> None:
-        root = str(Path(__file__).resolve().parents[2])  # the directory holding this onecopy package
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+
+# Variables that say nothing about a compile (pytest names the running test in this one)
+_ENV_IGNORED = frozenset({"PYTEST_CURRENT_TEST"})
+
+
+class CompileWorkers:
+    """``n`` compile worker processes (they import torch and Inductor while the exporter traces).
+
+    An export starts its own and stops them. A caller that exports many bundles may own a pool instead and pass
+    it to each export (``onecopy.export(..., workers=pool)``; ``start=False`` starts the processes at the first
+    export that uses them): each fresh worker costs ~7 s of CPU to import torch and Inductor, and more to warm
+    up. The caller closes it (``with CompileWorkers(n, start=False) as pool:``)."""
+
+    def __init__(self, n: int, *, start: bool = True) -> None:
+        self.n = n
+        self.env: dict[str, str] = {}
         self.workers: list[_Worker] = []
+        self.idle: list[_Worker] = []
         self.gpu_lock = Path(tempfile.gettempdir()) / f"onecopy-export-{os.getpid()}-{id(self):x}.gpu.lock"
         self.pending: list[Task] = []
         self.busy: dict[Connection, _Worker] = {}
+        if start:
+            self.start()
+
+    def __enter__(self) -> "CompileWorkers":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Start the workers (if not running already) with this process's environment."""
+        if self.workers:
+            return
+        self.env = _worker_env()
         try:
-            for _ in range(n):
+            for _ in range(self.n):
                 ours, theirs = socket.socketpair()
                 with ours, theirs:
                     proc = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, str(theirs.fileno())],
-                                            pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+                                            pass_fds=(theirs.fileno(),), env=self.env, stdin=subprocess.DEVNULL,
                                             start_new_session=True)  # its own process group: killed as one
                     self.workers.append(_Worker(proc, Connection(os.dup(ours.fileno()))))
         except BaseException:
             self.close(kill=True)
             raise
         self.idle = list(self.workers)
+
+    def serves_this_process(self) -> bool:
+        """Whether running workers compile as a fresh one would now: alive and started under this process's
+        environment as it is (a variable such as ATEN_CPU_CAPABILITY changes what Inductor writes)."""
+        now = _worker_env()
+        return (all(w.proc.poll() is None for w in self.workers) and not self.pending and not self.busy
+                and {k: v for k, v in self.env.items() if k not in _ENV_IGNORED}
+                == {k: v for k, v in now.items() if k not in _ENV_IGNORED})
 
     def submit(self, task: Task) -> None:
         """Queue a method; it starts at once if a worker is free."""
@@ -410,7 +447,9 @@ class CompileWorkers:
 
     def close(self, kill: bool = False) -> None:
         """Stop the workers: they exit when their connection closes; ``kill`` (or a worker that does not exit)
-        kills its whole process group (Inductor's compile workers and compilers too)."""
+        kills its whole process group (Inductor's compile workers and compilers too). `start` may start them
+        again."""
+        self.pending, self.busy, self.idle = [], {}, []
         for w in self.workers:
             w.conn.close()
         for w in self.workers:

@@ -100,7 +100,8 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
            embed_weights: Sequence[str] = (), overwrite: bool = False, progress: bool = True,
            kv_block: int | None = DEFAULT_KV_BLOCK, dequantize: bool | None = None, quantize: str | None = None,
            group_size: int = DEFAULT_GROUP, kv_dtype: str | None = None, native_kernels: bool = True,
-           jobs: int | None = None, timings: dict[str, Any] | None = None) -> Path:
+           jobs: int | None = None, timings: dict[str, Any] | None = None,
+           workers: CompileWorkers | None = None) -> Path:
     """Export ``source`` into a bundle at ``out_dir`` and return its path.
 
     ``max_seq_len`` defaults to the family's natural bound (Llama: min(2048, the model's context);
@@ -132,6 +133,10 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
     ``jobs``: how many methods compile at once, each in a worker process (`export.compile_worker`); None: one
     per CPU (at most one per method), or $ONECOPY_EXPORT_JOBS; 1 compiles them one after another in this
     process. The bundle is the same either way.
+    ``workers``: a pool of compile workers the caller owns (`export.compile_worker.CompileWorkers`), used instead
+    of starting ``jobs`` new ones and left running for the caller's next export (unless this export fails: then
+    they are stopped, and the next export starts them again); a pool started under another environment than the
+    process's now is passed over. The bundle is the same either way.
     ``timings``: a dict to fill with seconds per export phase (and Inductor's own timers per method), for
     benchmarks/export_time.py.
     """
@@ -168,7 +173,7 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
                           "methods one after another")
     bar = _Progress(0, False)
     clock = _Clock(timings)
-    workers = None
+    pool, workers = workers, None  # the caller's pool; the workers this export compiles in
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -211,7 +216,13 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
         (tmp / "methods").mkdir(parents=True)
         cxx = pick_cxx()
         n_jobs = compile_jobs(jobs, len(methods))
-        workers = CompileWorkers(n_jobs) if n_jobs > 1 else None  # they start up while the methods are traced
+        own = pool is None or jobs == 1 or (bool(pool.workers) and not pool.serves_this_process())
+        if own:
+            workers = CompileWorkers(n_jobs) if n_jobs > 1 else None  # they start up while the methods are traced
+        else:
+            workers = pool
+            workers.start()  # (running already, or started now)
+            n_jobs = workers.n
         declared = set(model.state_fqns())
         configs = {name: _inductor_configs(cxx, name in embed_weights, device) for name in methods}
         weights = None
@@ -266,7 +277,8 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
             if left:
                 bar.step(f"compile {', '.join(left)}")
             compiled.update(workers.wait(finished))
-            workers.close()
+            if own:
+                workers.close()
         clock.lap("compile", {name: {"seconds": c.seconds, "received": c.received, "where": where[name],
                                      "inductor": c.phases} for name, c in compiled.items()})
         specs = {name: _method_spec(available[name], name, tmp, name in embed_weights, exported[name][1],
