@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,15 @@ class Tokenizer:
         def raise_exception(message: str) -> None:
             raise TemplateError(message)
 
+        def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+                   sort_keys: bool = False) -> str:
+            # transformers' filter, not Jinja's (which sorts keys and escapes non-ASCII and <>&'): templates render
+            # tools and call arguments with it, and the model was trained on this form
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = tojson
         return env
 
     @functools.cached_property

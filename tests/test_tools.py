@@ -116,6 +116,22 @@ def test_a_template_that_knows_tools_renders_them():
     assert render(tok, msgs, ToolSet((Tool("add", None, {}),))) == "[add]<5>"  # arguments as an object
 
 
+def test_templates_get_transformers_tojson():
+    """Key order kept, non-ASCII and <>&' as they are (Jinja's own filter sorts keys and escapes them)."""
+    from onecopy.tokenizer import Tokenizer
+
+    tok = Tokenizer.__new__(Tokenizer)
+    tok.chat_template = ("{% for t in tools %}{{ t | tojson }}{% endfor %}{% for m in messages %}"
+                         "{% for c in m.tool_calls or [] %}|{{ c.function.arguments | tojson(indent=1) }}{% endfor %}"
+                         "{% endfor %}")
+    tool = Tool("w", "Météo <city> & 'more'", {"type": "object", "properties": {"z": {}, "a": {}}})
+    msgs = [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "w", "arguments": '{"z": "Zürich", "a": "<b>"}'}}]}]
+    assert render(tok, msgs, ToolSet((tool,))) == (
+        '{"type": "function", "function": {"name": "w", "description": "Météo <city> & \'more\'", "parameters": '
+        '{"type": "object", "properties": {"z": {}, "a": {}}}}}|{\n "z": "Zürich",\n "a": "<b>"\n}')
+
+
 def test_definitions_move_to_the_root_of_a_call():
     params = {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "$defs": {"P": {"type": "integer"}}}
     schema = call_schema(Tool("f", None, params))
