@@ -132,6 +132,32 @@ def test_templates_get_transformers_tojson():
         '{"type": "object", "properties": {"z": {}, "a": {}}}}}|{\n "z": "Zürich",\n "a": "<b>"\n}')
 
 
+def test_parameters_must_be_an_object_schema_and_may_leave_it_open():
+    from onecopy.serve.errors import APIError
+    from onecopy.serve.tools import parse_tools
+
+    fn = {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}
+    with pytest.raises(APIError) as e:
+        parse_tools({"tools": [fn], "tool_choice": "required"}, None, nested=True)
+    assert e.value.status == 400 and "function parameters must be an object schema" in e.value.message
+    # {} (or no type) is any object: the forced call's arguments are still an object
+    assert call_schema(Tool("f", None, {}))["properties"]["arguments"] == {"type": "object"}
+    assert call_schema(Tool("f", None, {"properties": {"a": {}}}))["properties"]["arguments"] == {
+        "type": "object", "properties": {"a": {}}}
+
+
+def test_a_bad_tool_choice_is_named_in_the_api_s_own_form():
+    from onecopy.serve.errors import APIError
+    from onecopy.serve.tools import parse_tools
+
+    for nested, form in ((True, '{"type": "function", "function": {"name": ...}}'),
+                         (False, '{"type": "function", "name": ...}')):
+        tool = WEATHER if nested else _responses_tool(WEATHER)
+        with pytest.raises(APIError) as e:
+            parse_tools({"tools": [tool], "tool_choice": {"type": "function"}}, None, nested=nested)
+        assert e.value.message.endswith(form), e.value.message
+
+
 def test_definitions_move_to_the_root_of_a_call():
     params = {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "$defs": {"P": {"type": "integer"}}}
     schema = call_schema(Tool("f", None, params))
@@ -209,8 +235,10 @@ TOOL_ERRORS = [
     ({"tools": None, "tool_choice": {"type": "function", "function": {"name": "add"}}}, "tool_choice",
      "names the function 'add' but no 'tools' are given"),
     ({"tool_choice": "sometimes"}, "tool_choice", "must be auto, none, required or a function"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]}, "tools[0]",
-     "the parameters schema of tool 'f' cannot be used: the lark cannot be compiled"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {"type": "strin"}}}}}]},
+     "tools[0]", "the parameters schema of tool 'f' cannot be used: failed to compile JSON schema: Invalid type: strin"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools[0]",
+     "function parameters must be an object schema"),
     ({"tools": [{"type": "code_interpreter"}]}, "tools[0]", "tools of type 'code_interpreter' (function tools only)"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0]", "must be 1 to 64 letters"),
     ({"tools": [WEATHER, WEATHER]}, "tools", "names the function 'get_weather' twice"),
@@ -229,6 +257,7 @@ def test_tool_errors_are_400s_that_name_the_problem(smol_server, extra, param, m
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param and message in err["message"], err
+    assert "lark" not in err["message"] and "%json" not in err["message"], err  # the reason, not onecopy's grammar
 
 
 def test_auto_with_a_json_format_is_a_call_or_that_json(smol_server):

@@ -334,7 +334,7 @@ def _item_messages(items: list[dict[str, Any]], before: list[dict[str, Any]]) ->
     for i, item in enumerate(items):
         if item["type"] == "function_call":
             call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+                    "function": {"name": item["name"], "arguments": item["arguments"] or "{}"}}  # as check_tool_calls
             called.add(item["call_id"])
             if out and out[-1]["role"] == "assistant":
                 out[-1] = {**out[-1], "tool_calls": [*out[-1].get("tool_calls", ()), call]}

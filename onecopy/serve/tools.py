@@ -77,7 +77,7 @@ def _json_arg(schema: dict[str, Any]) -> str:
 def call_schema(tool: Tool) -> dict[str, Any]:
     """The JSON of one call of ``tool``: {"name": its name, "arguments": its parameters}. Definitions move to the
     root, where the parameters' ``#/$defs/...`` references point once the parameters are nested."""
-    params = dict(tool.parameters)
+    params = {"type": "object", **tool.parameters}  # an object whatever the schema leaves open ({}: any object)
     defs = {k: params.pop(k) for k in ("$defs", "definitions") if k in params}
     return {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": params},
             "required": ["name", "arguments"], "additionalProperties": False, **defs}
@@ -126,10 +126,13 @@ def _tool(raw: Any, where: str, nested: bool) -> Tool:
         params = {"type": "object", "properties": {}}  # a function without arguments
     if not isinstance(params, dict):
         raise bad_request(f"'{fwhere}.parameters' must be a JSON schema object", param=where, code="invalid_value")
+    if params.get("type", "object") != "object":  # the arguments are a JSON object, named
+        raise bad_request(f"'{fwhere}.parameters' of tool '{name}': function parameters must be an object schema "
+                          f"(\"type\": \"object\"), got type {params['type']!r}", param=where, code="invalid_value")
     return Tool(name, description, params)
 
 
-def _choice(raw: Any, names: set[str], has_tools: bool) -> tuple[str, str | None]:
+def _choice(raw: Any, names: set[str], has_tools: bool, nested: bool) -> tuple[str, str | None]:
     if raw is None:
         return "auto", None
     if isinstance(raw, str):
@@ -145,8 +148,9 @@ def _choice(raw: Any, names: set[str], has_tools: bool) -> tuple[str, str | None
         fn = raw.get("function")
         name = fn.get("name") if isinstance(fn, dict) else raw.get("name")  # Chat Completions' or Responses' form
     if not isinstance(name, str):
-        raise bad_request("'tool_choice' must be auto, none, required or {\"type\": \"function\", \"function\": "
-                          "{\"name\": ...}}", param="tool_choice", code="invalid_value")
+        form = '{"type": "function", "function": {"name": ...}}' if nested else '{"type": "function", "name": ...}'
+        raise bad_request(f"'tool_choice' must be auto, none, required or {form}", param="tool_choice",
+                          code="invalid_value")
     if not has_tools:
         raise bad_request(f"'tool_choice' names the function '{name}' but no 'tools' are given: add it to 'tools'",
                           param="tool_choice", code="invalid_value")
@@ -168,7 +172,7 @@ def parse_tools(body: dict[str, Any], engine: Any, nested: bool) -> ToolSet | No
     if dup is not None:
         raise bad_request(f"'tools' names the function '{dup}' twice: function names must be unique", param="tools",
                           code="invalid_value")
-    choice, name = _choice(body.get("tool_choice"), set(names), bool(tools))
+    choice, name = _choice(body.get("tool_choice"), set(names), bool(tools), nested)
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise bad_request("'parallel_tool_calls' must be true or false", param="parallel_tool_calls",
@@ -180,8 +184,8 @@ def parse_tools(body: dict[str, Any], engine: Any, nested: bool) -> ToolSet | No
             try:
                 engine.grammars.compile(call_grammar([t]))
             except GrammarError as e:
-                raise bad_request(f"the parameters schema of tool '{t.name}' cannot be used: {e}", param=f"tools[{i}]",
-                                  code="invalid_value") from None
+                raise bad_request(f"the parameters schema of tool '{t.name}' cannot be used: {_reason(e)}",
+                                  param=f"tools[{i}]", code="invalid_value") from None
     return ToolSet(tools, choice, name, True if parallel is None else parallel)
 
 
@@ -205,8 +209,15 @@ def request_grammar(tools: ToolSet | None, content: Grammar | None, content_para
     try:
         engine.grammars.compile(grammar)
     except GrammarError as e:
-        raise bad_request(str(e), param="tools", code="invalid_value") from None
+        raise bad_request(f"the tools cannot be used: {_reason(e)}", param="tools", code="invalid_value") from None
     return grammar
+
+
+def _reason(e: GrammarError) -> str:
+    """llguidance's reason for refusing a call grammar, without the grammar (onecopy's internal Lark, which the
+    request never wrote): "failed to compile JSON schema: Invalid type: strin"."""
+    first = str(e).split("\n", 1)[0].removeprefix("the lark cannot be compiled: ")
+    return re.sub(r"^at \d+\(\d+\): ", "", first)
 
 
 # -- messages ---------------------------------------------------------------------------------------------------
@@ -281,7 +292,7 @@ def _plain_messages(messages: list[dict[str, Any]], tools: ToolSet | None) -> li
         out.append({"role": m["role"], "content": content})
         results = False
     if tools is not None and tools.active:
-        specs = (json.dumps(t.spec()["function"], separators=(",", ":")) for t in tools.tools)
+        specs = (json.dumps(t.spec()["function"], separators=(",", ":"), ensure_ascii=False) for t in tools.tools)
         text = SYSTEM_TOOLS.format(tools="\n".join(specs))
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{text}"}
