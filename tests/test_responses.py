@@ -89,6 +89,19 @@ def test_the_event_stream_carries_the_reply_and_instructions_hold_for_their_turn
                                           {"role": "user", "content": "Why?"}])
 
 
+def test_a_reply_cut_by_max_output_tokens_is_an_incomplete_message(smol_server):
+    """Streamed or not: the response is incomplete, and so is its message item."""
+    c = _client(smol_server)
+    whole = c.responses.create(model="smollm2", input=QUESTION, temperature=0, max_output_tokens=3)
+    assert whole.status == "incomplete" and [(o.type, o.status) for o in whole.output] == [("message", "incomplete")]
+    events = list(c.responses.create(model="smollm2", input=QUESTION, temperature=0, max_output_tokens=3, stream=True))
+    assert events[-1].type == "response.incomplete"
+    assert [(o.type, o.status) for o in events[-1].response.output] == [("message", "incomplete")]
+    assert events[-2].type == "response.output_item.done" and events[-2].item.status == "incomplete"
+    assert events[-1].response.output_text == whole.output_text
+    assert c.responses.retrieve(whole.id).output[0].status == "incomplete"
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"input": "hi", "previous_response_id": "resp_unknown"}, 400, "previous_response_id"),
     ({"input": "hi", "text": "plain"}, 400, "text"),

@@ -8,8 +8,8 @@ import httpx
 import openai
 import pytest
 
-from onecopy.serve.tools import (CallEnd, CallParser, CallStart, Text, Tool, ToolSet, call_schema, parse_reply,
-                                 render)
+from onecopy.serve.tools import (Arguments, CallEnd, CallFailed, CallParser, CallStart, Text, Tool, ToolSet,
+                                 call_schema, parse_reply, render)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "A city's weather.",
@@ -67,25 +67,89 @@ REPLY = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"cit
          '<tool_call>not json</tool_call>\n<tool_call>{"name": "nope", "arguments": {}}</tool_call>')
 
 
+def _streamed(text: str, size: int, eager: bool) -> tuple[CallParser, list]:
+    parser = CallParser(NAMES, eager)
+    return parser, [e for i in range(0, len(text), size) for e in parser.push(text[i:i + size])] + parser.flush()
+
+
+def _agrees(text: str) -> tuple[str | None, list[tuple[str, dict]]]:
+    """The whole reply's content and calls, checked to be what a stream of it gives in pieces of any size, calls
+    announced eagerly or once settled (the content being its text events and the text of failed calls)."""
+    whole = parse_reply(text, NAMES)
+    calls = [(c.name, c.arguments) for c in whole.calls]
+    for eager in (True, False):
+        for size in (1, 2, 3, 7, len(text) or 1):
+            parser, events = _streamed(text, size, eager)
+            content = "".join(e.text for e in events if isinstance(e, (Text, CallFailed)))
+            assert (content or None) == whole.content, (eager, size, content)
+            assert [(c.name, c.arguments) for c in parser.calls if c.complete] == calls, (eager, size)
+            assert [e.name for e in events if isinstance(e, CallStart)] == [c.name for c in parser.calls]
+            if not eager:  # settled first: a call's events together, no failed call ever announced
+                assert not any(isinstance(e, CallFailed) for e in events)
+                starts = [k for k, e in enumerate(events) if isinstance(e, CallStart)]
+                assert all(isinstance(events[k + 1], Arguments) and isinstance(events[k + 2], CallEnd) for k in starts)
+    return whole.content, [(name, json.loads(args)) for name, args in calls]
+
+
 def test_parser_splits_text_and_calls_whatever_the_pieces():
-    whole = parse_reply(REPLY, NAMES)
-    assert [(c.name, json.loads(c.arguments)) for c in whole.calls] == [
-        ("get_weather", {"city": 'Pa}ris "x"', "unit": "celsius"}), ("add", {"a": 1, "b": 2})]
-    # malformed blocks and unknown tools stay text; whitespace beside calls goes
-    assert whole.content == ('Let me check.<tool_call>not json</tool_call><tool_call>{"name": "nope", "arguments": {}}'
-                             '</tool_call>')
-    for size in (1, 3, 7):  # streamed in pieces: the same text and calls, the first call's arguments as they come
-        parser = CallParser(NAMES)
-        events = [e for i in range(0, len(REPLY), size) for e in parser.push(REPLY[i:i + size])] + parser.flush()
-        assert "".join(e.text for e in events if isinstance(e, Text)) == whole.content
-        assert [e.name for e in events if isinstance(e, CallStart)] == ["get_weather", "add"]
+    content, calls = _agrees(REPLY)
+    assert calls == [("get_weather", {"city": 'Pa}ris "x"', "unit": "celsius"}), ("add", {"a": 1, "b": 2})]
+    # malformed blocks and unknown tools stay text, with the whitespace before them; text beside calls is stripped,
+    # its pieces one per line
+    assert content == ('Let me check.\n<tool_call>not json</tool_call>\n<tool_call>{"name": "nope", "arguments": {}}'
+                       '</tool_call>')
+    for size in (1, 3, 7):  # streamed in pieces: the first call's arguments as they come
+        parser, events = _streamed(REPLY, size, eager=True)
+        first = next(k for k, e in enumerate(events) if isinstance(e, CallStart))
+        assert "".join(e.text for e in events[:first]) == "Let me check."  # the tag and the newline held back
+        assert sum(isinstance(e, Arguments) and e.index == 0 for e in events) > 3 // size + 1
         assert sum(isinstance(e, CallEnd) for e in events) == 2
-        assert [c.arguments for c in parser.calls] == [c.arguments for c in whole.calls]
-        assert not any("<tool" in e.text for e in events[:3] if isinstance(e, Text))  # the tag was held back
     assert parse_reply("no calls, a < b and <tool", NAMES).content == "no calls, a < b and <tool"
     assert parse_reply("  spaced  ", NAMES).content == "  spaced  "  # text without calls: exactly as generated
-    cut = '<tool_call>\n{"name":"add","arguments":{"a":1,'
-    assert parse_reply(cut, NAMES, cut=True).calls == [] and parse_reply(cut, NAMES, cut=True).content == cut
+
+
+CALL = '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("reply, content, calls", [
+    # settled at the reply's end: complete object arguments are a call, anything less is text
+    ('<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}', None, [("add", {"a": 1, "b": 2})]),
+    ('Sure.\n<tool_call>\n{"name":"add","arguments":{"a":1}}\n', "Sure.", [("add", {"a": 1})]),
+    ('Sure. <tool_call>\n{"name":"add","arguments":{"a":1,', 'Sure. <tool_call>\n{"name":"add","arguments":{"a":1,',
+     []),
+    ("ok <tool_call>", "ok <tool_call>", []),
+    # settled at </tool_call> outside a JSON string: what follows is text again
+    ('<tool_call>\n{"name":"add","arguments":{"a":1\n</tool_call>\nThe answer follows.',
+     '<tool_call>\n{"name":"add","arguments":{"a":1\n</tool_call>\nThe answer follows.', []),
+    ('<tool_call>\n{"name":"add","arguments":{"s":"</tool_call>"}}\n</tool_call>', None, [("add", {"s": "</tool_call>"})]),
+    # arguments that are no JSON object, though their brackets balance: text
+    ('<tool_call>\n{"name":"add","arguments":{"a": tru, "b": [1,}}\n</tool_call>', "=", []),
+    ("<tool_call>\n{\"name\":\"add\",\"arguments\":{'a': 1}}\n</tool_call>", "=", []),
+    ('<tool_call>\n{"name":"add","arguments":{"a": [1}]}\n</tool_call>', "=", []),
+    ('<tool_call>\n{"name":"add","arguments":{"a":1}}}\n</tool_call>', "=", []),
+    ('<tool_call>\n{"name":"add","arguments":[1,2]}\n</tool_call>', "=", []),
+    ('<tool_call>\n{"name":"add","arguments":{"a":1}, "id": 5}\n</tool_call>', None, [("add", {"a": 1})]),
+    # text that is no call comes back as generated; text between calls one piece a line
+    ("Use the <tool_call> tag to call a tool. " + "x" * 300, "=", []),
+    (f"{CALL} and then {CALL} done \n", "and then\ndone", [("add", {"a": 1, "b": 2})] * 2),
+    (f"First.\n\n{CALL}\n\n<tool_call>oops</tool_call>", "First.\n<tool_call>oops</tool_call>",
+     [("add", {"a": 1, "b": 2})]),
+])
+def test_a_block_is_a_call_only_with_object_arguments_and_else_text_as_generated(reply, content, calls):
+    assert _agrees(reply) == (reply if content == "=" else content, calls)
+
+
+def test_a_call_announced_that_fails_gives_its_text_back():
+    """Eagerly (a constrained reply) a call is announced at its name: cut short after that, its text comes back as
+    `CallFailed` (with the whitespace held before it); settled first, it is plain text and never announced."""
+    reply = 'Sure. <tool_call>\n{"name":"add","arguments":{"a":1,'
+    parser, events = _streamed(reply, 4, eager=True)
+    assert [type(e) for e in events if not isinstance(e, Arguments)] == [Text, Text, CallStart, CallFailed]
+    assert "".join(e.text for e in events if isinstance(e, Text)) == "Sure."
+    assert events[-1] == CallFailed(0, ' <tool_call>\n{"name":"add","arguments":{"a":1,')
+    assert [c.status for c in parser.calls] == ["failed"]
+    parser, events = _streamed(reply, 4, eager=False)
+    assert parser.calls == [] and "".join(e.text for e in events) == reply
 
 
 def test_tools_render_in_the_system_prompt_and_the_history_as_blocks(smol_engine):
@@ -216,16 +280,48 @@ def test_auto_none_and_a_history_with_tool_results(smol_server):
 
 
 def test_a_call_cut_by_max_tokens_is_no_call(smol_server):
+    """Chat: the cut block is content. A stream has already sent the call's deltas (a forced call streams its
+    arguments as generated); it then sends the block as content: the same content and finish_reason."""
     client = _client(smol_server)
     forced = {"type": "function", "function": {"name": "get_weather"}}
     done = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, tool_choice=forced,
-                                          max_tokens=12, temperature=0)
+                                          max_tokens=18, temperature=0)
     choice = done.choices[0]
     assert choice.finish_reason == "length" and choice.message.tool_calls is None
-    assert choice.message.content.startswith('<tool_call>\n{"name":"get_'), choice.message.content
+    assert choice.message.content.startswith('<tool_call>\n{"name":"get_weather","arguments":{'), choice.message.content
     chunks = list(client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, tool_choice=forced,
-                                                 max_tokens=12, temperature=0, stream=True))
+                                                 max_tokens=18, temperature=0, stream=True))
     assert chunks[-1].choices[0].finish_reason == "length"
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[1].tool_calls[0].function.name == "get_weather"
+    assert "".join(d.content or "" for d in deltas) == choice.message.content
+
+
+def test_responses_a_call_cut_by_max_output_tokens_is_an_incomplete_function_call(smol_server):
+    """Responses: the cut call is a function_call item with status incomplete, streamed or not (as OpenAI's API
+    gives it), in an incomplete response."""
+    client = _client(smol_server)
+    # (another city than the next test's: this reply's blocks, published, must not be the start of that one's)
+    ask = dict(model="smollm2", input="What is the weather like in Rome today?", tools=[_responses_tool(WEATHER)],
+               max_output_tokens=18, tool_choice={"type": "function", "name": "get_weather"}, temperature=0)
+    whole = client.responses.create(**ask)
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert [(o.type, o.status, o.name) for o in whole.output] == [("function_call", "incomplete", "get_weather")]
+    assert whole.output[0].arguments.startswith("{") and not _object(whole.output[0].arguments)
+    events = list(client.responses.create(**ask, stream=True))
+    assert events[-1].type == "response.incomplete"
+    streamed = events[-1].response
+    assert [o.model_dump(exclude={"id", "call_id"}) for o in streamed.output] == [
+        o.model_dump(exclude={"id", "call_id"}) for o in whole.output]
+    assert events[-2].type == "response.output_item.done" and events[-2].item.status == "incomplete"
+    assert client.responses.retrieve(streamed.id).output[0].status == "incomplete"
+
+
+def _object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 TOOL_ERRORS = [

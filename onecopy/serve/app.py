@@ -36,7 +36,7 @@ from .protocol import GenerationRequest, check_model, parse_generation, parse_js
 from .responses import (DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_STORED, RESPONSE_ID_HEADER, ResponseStore, ResponsesRun,
                         StoredResponse, input_items_page, not_found, parse_response_request)
 from .text import ReplyText
-from .tools import Arguments, CallParser, CallStart, Event, Text, parse_reply
+from .tools import Arguments, CallFailed, CallParser, CallStart, Event, Text, parse_reply
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,9 @@ class _Generation:
     def __post_init__(self) -> None:
         tools = self.req.tools
         if tools is not None and tools.active:
-            self.calls = CallParser(tools.names())
+            # a constrained reply's calls stream their arguments as generated (the grammar keeps them valid); a
+            # free reply's come whole once their block is settled
+            self.calls = CallParser(tools.names(), eager=self.req.params.grammar is not None)
 
     def finish_reason(self, called: bool | None = None) -> str:
         """OpenAI's reason for a reply that ended well (a failed one is `failure`'s): "tool_calls" when it ended
@@ -92,7 +94,7 @@ class _Generation:
     def chat_delta(self, event: Event) -> dict[str, Any] | None:
         """A stream chunk's delta for ``event``, as OpenAI streams tool calls (id, type and name first, then the
         arguments in pieces)."""
-        if isinstance(event, Text):
+        if isinstance(event, (Text, CallFailed)):  # a call already sent that is no call: its text as content
             return {"content": event.text}
         if isinstance(event, CallStart):
             return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
@@ -231,7 +233,7 @@ class _Generation:
             message: dict[str, Any] = {"role": "assistant", "content": content}
             called = False
             if self.calls is not None:
-                parsed = parse_reply(content, self.calls.names, cut=self.finish_reason(False) == "length")
+                parsed = parse_reply(content, self.calls.names)
                 message["content"] = parsed.content
                 if parsed.calls:
                     message["tool_calls"] = [c.item() for c in parsed.calls]

@@ -37,7 +37,7 @@ from ..state_files import oldest_first
 from .errors import APIError, bad_request, unsupported
 from . import tools as tool_calls
 from .protocol import GenerationRequest, constraint_param, check_model, generation_params, request_grammar
-from .tools import Arguments, CallEnd, CallStart, Text
+from .tools import Arguments, CallEnd, CallFailed, CallStart, Text
 
 log = logging.getLogger(__name__)
 
@@ -449,22 +449,23 @@ class ResponsesRun:
         return {"id": item_id or "fc_" + uuid.uuid4().hex, "type": "function_call", "status": status,
                 "arguments": call.arguments, "call_id": call.id, "name": call.name}
 
+    def status(self) -> str:
+        """The finished reply's response status."""
+        return "completed" if self.run.finish_reason(False) == "stop" else "incomplete"
+
     def output(self, text: str) -> list[dict[str, Any]]:
-        """A whole reply's output items: its text as a message and its tool calls as function_call items (a call
-        cut short by max_output_tokens is text)."""
-        run = self.run
-        if run.calls is None:
-            return [self.message(text)]
-        parsed = tool_calls.parse_reply(text, run.calls.names, cut=run.finish_reason(False) == "length")
-        items = [self.message(parsed.content)] if parsed.content is not None else []
-        return items + [self.function_call(c) for c in parsed.calls] or [self.message("")]
+        """A whole reply's output items, as a stream of it makes them (`_StreamedItems`): its text as messages and
+        its calls as function_call items, in order."""
+        items = _StreamedItems(self)
+        items.push(self.run.reply_events(text, last=True))
+        items.close(self.status())
+        return items.output
 
     def finished(self, text: str, output: list[dict[str, Any]]) -> dict[str, Any]:
         """The final response object of the reply ``text`` with its ``output`` items; stored (with what the next
         turn builds on) unless ``store`` is false."""
         run, t = self.run, self.turn
-        status = "completed" if run.finish_reason(False) == "stop" else "incomplete"
-        body = self.response(status, output)
+        body = self.response(self.status(), output)
         if t.store:
             ids = run.stream.ids
             if ids and run.stream.finish_reason == "stop":
@@ -518,7 +519,7 @@ class ResponsesRun:
                 return
             tail = run.reply.flush()
             pieces.append(tail)
-            for e in items.push(run.reply_events(tail, last=True)) + items.close():
+            for e in items.push(run.reply_events(tail, last=True)) + items.close(self.status()):
                 yield e
             body = await loop.run_in_executor(None, self.finished, "".join(pieces), items.output)  # may write a file
             yield self.event(f"response.{body['status']}", response=body)
@@ -561,15 +562,17 @@ class _StreamedItems:
                               output_index=len(self.output), delta=e.text))
             elif isinstance(e, CallEnd):
                 out += self._close_call("completed")
+            elif isinstance(e, CallFailed):  # a call opened that is no call (cut by max_output_tokens): incomplete
+                out += self._close_call("incomplete")
         return out
 
-    def close(self) -> list[str]:
-        """The reply ended: the open item closed (a call cut short is incomplete); an empty reply is one empty
-        message."""
+    def close(self, status: str) -> list[str]:
+        """The reply ended, the response ``status``: the open item closed with it (a call cut short is
+        incomplete); an empty reply is one empty message."""
         out = self._close_call("incomplete") if self.call is not None else []
         if not self.output and self.message is None:
             out += self._open_message()
-        return out + self._close_message()
+        return out + self._close_message(status)
 
     def _open_message(self) -> list[str]:
         self.message = ("msg_" + uuid.uuid4().hex, [])
@@ -579,11 +582,11 @@ class _StreamedItems:
                 ev("response.content_part.added", **self._where(), part={"type": "output_text", "text": "",
                                                                           "annotations": []})]
 
-    def _close_message(self) -> list[str]:
+    def _close_message(self, status: str = "completed") -> list[str]:
         if self.message is None:
             return []
         ev, where, text = self.run.event, self._where(), "".join(self.message[1])
-        item = self.run.message(text, item_id=self.message[0])
+        item = self.run.message(text, status, self.message[0])
         out = [ev("response.output_text.done", **where, text=text, logprobs=[]),
                ev("response.content_part.done", **where, part=item["content"][0]),
                ev("response.output_item.done", output_index=len(self.output), item=item)]

@@ -23,7 +23,7 @@ CHOICES = ("auto", "none", "required")
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 # The start of a call up to its arguments object: its name is known before the arguments stream
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
-_HEAD_MAX = 300  # characters after OPEN without a recognised head: the block is read whole at its CLOSE instead
+_HEAD_MAX = 300  # characters after OPEN (and its whitespace) without a recognised head: the block is read whole at CLOSE
 
 
 @dataclass(frozen=True)
@@ -338,7 +338,17 @@ class CallEnd:
     index: int
 
 
-Event = Text | CallStart | Arguments | CallEnd
+@dataclass
+class CallFailed:
+    """A call already announced (`CallStart` and its arguments sent) that is no call after all: its block does not
+    hold a JSON object of object arguments, or the reply ended inside it. ``text`` is the block as generated (with the
+    whitespace held before it): reply text, where a whole reply has it in its content."""
+
+    index: int
+    text: str
+
+
+Event = Text | CallStart | Arguments | CallEnd | CallFailed
 
 
 @dataclass
@@ -346,27 +356,54 @@ class Call:
     id: str
     name: str
     arguments: str = ""
-    raw: str = OPEN  # the block's text as generated (for a call cut short: given back as text)
-    complete: bool = False
+    raw: str = OPEN  # the block's text as generated (given back as text when it is no call)
+    status: str = "open"  # open | complete | failed
+
+    @property
+    def complete(self) -> bool:
+        return self.status == "complete"
 
     def item(self) -> dict[str, Any]:
         """The call in Chat Completions' form."""
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
+def _object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
 @dataclass
 class CallParser:
-    """Reply text in (as it streams), text and calls out as `Event`s. Text that may start ``<tool_call>`` is held
-    back; whitespace beside a call is dropped. A call whose block starts ``{"name": "<a tool>", "arguments": {``
-    streams its arguments as they come; any other block is read whole at its ``</tool_call>`` and is a call if it
-    is such an object, else text. A call is complete (`calls`) at its ``</tool_call>``."""
+    """Reply text in (as it streams), text and calls out as `Event`s.
+
+    Text that may start ``<tool_call>`` is held back, and so is whitespace before it until its block is settled (a
+    call drops it, a block that is text gives it back). A block settles at its ``</tool_call>`` (outside a JSON
+    string) or at the end of the reply: it is a call when it holds ``{"name": <a tool>, "arguments": {...}}`` with
+    arguments that parse as a JSON object (at the reply's end, complete arguments suffice), else it is text, as
+    generated. Text beside calls is stripped and its pieces are joined with newlines; a reply without calls is
+    exactly as generated.
+
+    ``eager``: a call whose block starts ``{"name": "<a tool>", "arguments": {`` is announced there and its arguments
+    stream as they come (for a constrained reply, whose grammar keeps a call valid: only the reply's end can cut
+    it); should it still fail, `CallFailed` gives its text back. Otherwise (free generation) a call's events come
+    when its block is settled, so that a stream never announces a call that turns out to be text."""
 
     names: set[str]
-    calls: list[Call] = field(default_factory=list)
+    eager: bool = True
+    calls: list[Call] = field(default_factory=list)  # the calls announced, in order (their index), failed ones too
     _state: str = "text"  # text | head (after OPEN) | args | tail (after the arguments) | raw (read whole)
     _buf: str = ""
     _ws: str = ""  # trailing whitespace of the text, held until more text follows
-    _after_call: bool = False
+    _block_ws: str = ""  # the whitespace before the open block, held until it is settled
+    _after_call: bool = False  # the last thing settled was a call: the text that follows is stripped
+    _said: bool = False  # some text was emitted
+    _called: bool = False  # some call completed
+    _call: Call | None = None  # the call being read (args, tail)
+    _rest: str = ""  # the call's text between its arguments and its CLOSE
+    _args_done: bool = False
     _depth: int = 0
     _in_string: bool = False
     _escaped: bool = False
@@ -381,38 +418,42 @@ class CallParser:
                 return out
 
     def flush(self) -> list[Event]:
-        """The end of the reply: held text given back; a block not closed is text unless its call had started."""
+        """The end of the reply: held text given back, the open block settled."""
         out: list[Event] = []
         if self._state == "text":
             self._emit(out, self._buf, final=True)
         elif self._state in ("head", "raw"):
-            self._emit(out, OPEN + self._buf, final=True)
-        self._buf = ""
+            self._emit(out, self._block_ws + OPEN + self._buf, final=True)
+        else:  # inside a call
+            self._call.raw += self._buf
+            if self._state == "tail":
+                self._rest += self._buf
+            self._buf = ""
+            self._settle(out, final=True)
+        self._buf, self._block_ws, self._state = "", "", "text"
         return out
-
-    @property
-    def open_call(self) -> Call | None:
-        """The call cut short (a reply that ended inside its block), if any."""
-        return self.calls[-1] if self.calls and not self.calls[-1].complete else None
 
     def _emit(self, out: list[Event], text: str, final: bool = False) -> None:
         if self._after_call:
             text = text.lstrip()
-            self._after_call = not text
         text, self._ws = self._ws + text, ""
         if not final:
             core = text.rstrip()
             text, self._ws = core, text[len(core):]
-        elif self.calls:
+        elif self._called:
             text = text.rstrip()
         if text:
+            if self._after_call and self._said:
+                text = "\n" + text  # the text pieces around a call, one per line
+            self._after_call, self._said = False, True
             out.append(Text(text))
 
     def _text(self, out: list[Event]) -> None:
         i = self._buf.find(OPEN)
         if i >= 0:
             self._emit(out, self._buf[:i])
-            self._ws, self._buf, self._state = "", self._buf[i + len(OPEN):], "head"
+            self._block_ws, self._ws = self._ws, ""
+            self._buf, self._state = self._buf[i + len(OPEN):], "head"
             return
         keep = next((k for k in range(min(len(OPEN) - 1, len(self._buf)), 0, -1) if self._buf.endswith(OPEN[:k])), 0)
         cut = len(self._buf) - keep
@@ -420,52 +461,95 @@ class CallParser:
             self._emit(out, self._buf[:cut])
             self._buf = self._buf[cut:]
 
+    def _announce(self, out: list[Event], call: Call) -> int:
+        self.calls.append(call)
+        out.append(CallStart(len(self.calls) - 1, call.id, call.name))
+        return len(self.calls) - 1
+
     def _head(self, out: list[Event]) -> None:
         m = _HEAD.match(self._buf)
         if m is not None:
             name = json.loads(m.group(1))
             if name in self.names:
-                call = Call(new_call_id(), name, raw=OPEN + self._buf[:m.end()])
-                self.calls.append(call)
-                out.append(CallStart(len(self.calls) - 1, call.id, name))
-                self._buf, self._state = self._buf[m.end():], "args"
-                self._depth, self._in_string, self._escaped = 0, False, False
+                self._call = Call(new_call_id(), name, raw=OPEN + self._buf[:m.end()])
+                self._buf, self._state, self._rest = self._buf[m.end():], "args", ""
+                self._depth, self._in_string, self._escaped, self._args_done = 0, False, False, False
+                if self.eager:
+                    self._announce(out, self._call)
                 return
-        if m is not None or CLOSE in self._buf or len(self._buf) > _HEAD_MAX:
+        if m is not None or CLOSE in self._buf or len(self._buf.lstrip()) > _HEAD_MAX:
             self._state = "raw"
 
     def _args(self, out: list[Event]) -> None:
-        call, end = self.calls[-1], None
-        for i, ch in enumerate(self._buf):
+        """The arguments object, to its closing brace (then `_tail`) or to a CLOSE outside a JSON string (cut short:
+        settled, as text)."""
+        buf, end, closed = self._buf, None, False
+        for i, ch in enumerate(buf):
             if self._in_string:
                 self._escaped, self._in_string = (False, True) if self._escaped else (ch == "\\", ch != '"')
             elif ch == '"':
                 self._in_string = True
+            elif ch == "<" and (buf.startswith(CLOSE, i) or CLOSE.startswith(buf[i:])):
+                end, closed = i, buf.startswith(CLOSE, i)  # the tag, or what may be its start: wait for more
+                break
             elif ch in "{[":
                 self._depth += 1
             elif ch in "}]":
                 self._depth -= 1
                 if self._depth == 0:
-                    end = i + 1
+                    end, self._args_done = i + 1, True
                     break
-        piece = self._buf[:end] if end is not None else self._buf
+        piece = buf[:end] if end is not None else buf
+        call = self._call
         if piece:
             call.arguments += piece
             call.raw += piece
-            out.append(Arguments(len(self.calls) - 1, piece))
-        self._buf = self._buf[len(piece):]
-        if end is not None:
+            if self.eager:
+                out.append(Arguments(len(self.calls) - 1, piece))
+        self._buf = buf[len(piece):]
+        if self._args_done:
             self._state = "tail"
+        elif closed:
+            call.raw += CLOSE
+            self._buf = self._buf[len(CLOSE):]
+            self._settle(out)
 
     def _tail(self, out: list[Event]) -> None:
         j = self._buf.find(CLOSE)
         if j < 0:
             return
-        call = self.calls[-1]
-        call.raw += self._buf[:j + len(CLOSE)]
-        call.complete = True
-        out.append(CallEnd(len(self.calls) - 1))
-        self._buf, self._state, self._after_call = self._buf[j + len(CLOSE):], "text", True
+        self._rest += self._buf[:j]
+        self._call.raw += self._buf[:j + len(CLOSE)]
+        self._buf = self._buf[j + len(CLOSE):]
+        self._settle(out)
+
+    def _valid(self, call: Call) -> bool:
+        """Complete arguments that are a JSON object, and after them the call's closing brace (or nothing, or the
+        rest of a JSON object: other keys)."""
+        if not self._args_done or not _object(call.arguments):
+            return False
+        return self._rest.strip() in ("", "}") or _object(call.raw[len(OPEN):].removesuffix(CLOSE))
+
+    def _settle(self, out: list[Event], final: bool = False) -> None:
+        """The block of the call being read is over: a call, or text."""
+        call, self._call, self._state = self._call, None, "text"
+        announced = bool(self.calls) and self.calls[-1] is call
+        if self._valid(call):
+            index = len(self.calls) - 1 if announced else self._announce(out, call)
+            if not announced:
+                out.append(Arguments(index, call.arguments))
+            call.status = "complete"
+            out.append(CallEnd(index))
+            self._block_ws, self._ws, self._after_call, self._called = "", "", True, True
+            return
+        text: list[Event] = []
+        self._emit(text, self._block_ws + call.raw, final)
+        self._block_ws = ""
+        if announced:
+            call.status = "failed"
+            out.append(CallFailed(len(self.calls) - 1, "".join(t.text for t in text)))
+        else:
+            out += text
 
     def _raw(self, out: list[Event]) -> None:
         j = self._buf.find(CLOSE)
@@ -474,12 +558,13 @@ class CallParser:
         inner, self._buf, self._state = self._buf[:j], self._buf[j + len(CLOSE):], "text"
         call = self._read_whole(inner)
         if call is None:
-            self._emit(out, OPEN + inner + CLOSE)
+            self._emit(out, self._block_ws + OPEN + inner + CLOSE)
+            self._block_ws = ""
             return
-        self.calls.append(call)
-        index = len(self.calls) - 1
-        out += [CallStart(index, call.id, call.name), Arguments(index, call.arguments), CallEnd(index)]
-        self._ws, self._after_call = "", True
+        call.status = "complete"
+        index = self._announce(out, call)
+        out += [Arguments(index, call.arguments), CallEnd(index)]
+        self._block_ws, self._ws, self._after_call, self._called = "", "", True, True
 
     def _read_whole(self, inner: str) -> Call | None:
         try:
@@ -496,24 +581,22 @@ class CallParser:
                 return None
         if not isinstance(args, dict):
             return None
-        return Call(new_call_id(), obj["name"], json.dumps(args), OPEN + inner + CLOSE, complete=True)
+        return Call(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False), OPEN + inner + CLOSE)
 
 
 @dataclass
 class ParsedReply:
-    """A whole reply: its text outside calls (None if empty) and its complete calls."""
+    """A whole reply: its text outside calls (None if empty; blocks that are no call included, as generated) and its
+    calls."""
 
     content: str | None
     calls: list[Call]
 
 
-def parse_reply(text: str, names: set[str], cut: bool = False) -> ParsedReply:
-    """``text`` split into content and calls; ``cut`` (the reply ended at max_tokens): a call not closed is no call,
-    its text stays content."""
+def parse_reply(text: str, names: set[str]) -> ParsedReply:
+    """``text`` split into content and calls, as `CallParser` streams them (either way of announcing calls gives
+    the same content and calls)."""
     parser = CallParser(names)
     events = parser.push(text) + parser.flush()
-    content = "".join(e.text for e in events if isinstance(e, Text))
-    open_call = parser.open_call
-    if open_call is not None and cut:
-        content = f"{content}\n{open_call.raw}" if content else open_call.raw
+    content = "".join(e.text for e in events if isinstance(e, (Text, CallFailed)))
     return ParsedReply(content or None, [c for c in parser.calls if c.complete])
