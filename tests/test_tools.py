@@ -222,6 +222,13 @@ def test_a_bad_tool_choice_is_named_in_the_api_s_own_form():
         assert e.value.message.endswith(form), e.value.message
 
 
+def test_a_responses_function_call_item_without_arguments_has_an_empty_object():
+    from onecopy.serve.responses import _item_messages
+
+    item = {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": ""}
+    assert _item_messages([item], [])[0]["tool_calls"][0]["function"]["arguments"] == "{}"  # as Chat's check
+
+
 def test_definitions_move_to_the_root_of_a_call():
     params = {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "$defs": {"P": {"type": "integer"}}}
     schema = call_schema(Tool("f", None, params))
