@@ -17,7 +17,7 @@ def fake_cache(tmp_path, monkeypatch):
     """The cache in tmp_path, its exporter a stand-in that records its calls and writes a two-file bundle."""
     calls = []
 
-    def fake_export(source, out_dir, *, progress=True, **options):
+    def fake_export(source, out_dir, *, progress=True, workers=None, **options):  # (workers: where it compiles)
         calls.append((str(source), options))
         time.sleep(0.2)  # long enough for a second asker to arrive while it runs
         out = Path(out_dir)
