@@ -106,3 +106,19 @@ def test_every_block_is_free_or_cached_exactly_once_after_the_rows_let_go():
     assert use["references"] == 0 and use["shared"] == use["private"] == 0
     cached = [b for b in range(kv.blocks) if b in kv.index]
     assert sorted(kv.free_list() + cached) == list(range(kv.blocks))  # each block once
+
+
+def test_a_prefix_computed_twice_goes_on_publishing_under_its_first_holder():
+    from onecopy.runtime.prefix import PrefixIndex
+
+    idx = PrefixIndex(BS, digests=True)
+    a = list(range(8))
+    idx.publish([0, 1], a)  # A: blocks 0 and 1
+    b = a[:4] + [50, 51, 52, 53]  # B computed A's first block again (its block 2), then a block of its own
+    idx.publish([2, 3], b)
+    assert 2 not in idx and idx.lookup(b) == [0, 3]  # the duplicate stays private; B's next block is found
+    alone = PrefixIndex(BS, digests=True)
+    alone.publish([7, 8], b)
+    assert idx.digest(3) == alone.digest(8)  # the key of the prefix, wherever its first block lives
+    idx.remove(0)  # A's first block overwritten: what was published under it leaves too
+    assert idx.lookup(b) == [] and 3 not in idx

@@ -76,14 +76,19 @@ class PrefixIndex:
 
     def publish(self, blocks: Sequence[int], tokens: Sequence[int], known: dict[int, bytes] | None = None) -> None:
         """Publish the full blocks of a session that holds ``tokens`` in ``blocks`` (its table, in order).
-        A block already published stays as it is; a prefix another block already holds is left private
-        (its first holder keeps serving it). ``known``: digests of ``tokens``' blocks by index, computed already."""
+        A block already published stays as it is; a prefix another block already holds is left private (its
+        first holder keeps serving it) and the session's later blocks are published under that holder, the same
+        prefix (two sessions that computed one prompt at once: the second's reply stays reusable).
+        ``known``: digests of ``tokens``' blocks by index, computed already."""
         parent, bs, digests = _ROOT, self.block_size, self._digest
         for i in range(min(len(tokens) // bs, len(blocks))):
             block, key = blocks[i], (parent, tuple(tokens[i * bs:(i + 1) * bs]))
             if self._key_of.get(block) != key:
-                if block in self._key_of or key in self._by_key:
-                    return  # another prefix lives here, or this one lives elsewhere: the chain stops
+                if block in self._key_of:
+                    return  # another prefix lives here: the chain stops
+                if key in self._by_key:
+                    parent = self._by_key[key]  # this prefix lives elsewhere: go on under its holder
+                    continue
                 self._by_key[key] = block
                 self._key_of[block] = key
                 if parent != _ROOT:
