@@ -502,8 +502,10 @@ def _serve(fd: int) -> None:
 # process), and with it onecopy, which defines the ops the programs call (`kernels.ops`); and Inductor, while
 # the exporter traces.
 _WORKER_MAIN = """
-import sys, warnings
+import logging, sys, warnings
 warnings.simplefilter("ignore")
+# torch's "No CUDA runtime is found" warning (nvcc installed, no GPU) would reach the exporting command's stderr
+logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 import torch._inductor.compile_fx
 from onecopy.export.compile_worker import _serve
 _serve(int(sys.argv[1]))
