@@ -4,9 +4,10 @@ The grammar engine is llguidance (Rust; no dependencies; its token masks take te
 median, and a grammar compiles lazily as the output grows, so a new schema costs milliseconds, not seconds).
 Per step each constrained row's allowed tokens come from its matcher as a bitmask (one bit a token) on the
 host, copied with the step's other parameters, and the on-device sampler sets every other token's logit to
--inf before the penalty, temperature, top-k and top-p (`sampling.BatchSampler`): rows without a grammar are untouched. The matcher
-follows the row's tokens (`advance`), so a step with a constrained row is sampled to the host before the next
-is planned. When the grammar is complete only the end-of-sequence ids stay allowed, and the request stops there.
+-inf before the penalty, temperature, top-k and top-p (`sampling.BatchSampler`): rows without a grammar are
+untouched. The matcher follows the row's tokens (`advance`): a step's ids reach it while the next step's forward
+pass runs, before that step's masks are made (`runtime.runner`). When the grammar is complete only the
+end-of-sequence ids stay allowed, and the request stops there.
 """
 
 from __future__ import annotations
