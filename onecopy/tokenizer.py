@@ -50,6 +50,11 @@ class Tokenizer:
         return env
 
     @functools.cached_property
+    def _template(self) -> Any:
+        """The chat template compiled (once: every chat request renders it)."""
+        return self._env().from_string(self.chat_template)
+
+    @functools.cached_property
     def takes_tools(self) -> bool:
         """Whether the chat template renders tool definitions itself (it reads a ``tools`` variable)."""
         if not self.chat_template:
@@ -67,7 +72,7 @@ class Tokenizer:
             raise InputError("this bundle has no chat template; pass raw=True (--raw) to send the prompt as is")
         from jinja2.exceptions import TemplateError
 
-        template = self._env().from_string(self.chat_template)
+        template = self._template
         extra = {"tools": tools} if tools else {}
         try:
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
