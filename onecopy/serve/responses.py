@@ -333,8 +333,7 @@ def _item_messages(items: list[dict[str, Any]], before: list[dict[str, Any]]) ->
     called = {c["id"] for m in before for c in m.get("tool_calls", ())}
     for i, item in enumerate(items):
         if item["type"] == "function_call":
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"] or "{}"}}  # as check_tool_calls
+            call = tool_calls.chat_call(item["call_id"], item["name"], item["arguments"] or "{}")  # as check_tool_calls
             called.add(item["call_id"])
             if out and out[-1]["role"] == "assistant":
                 out[-1] = {**out[-1], "tool_calls": [*out[-1].get("tool_calls", ()), call]}
@@ -472,7 +471,7 @@ class ResponsesRun:
                 ids = ids[:-1]  # the stop id: sampled, not part of the reply the template renders
             content = "".join(p["text"] for i in output if i["type"] == "message" for p in i["content"])
             reply: dict[str, Any] = {"role": "assistant", "content": content}
-            calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+            calls = [tool_calls.chat_call(i["call_id"], i["name"], i["arguments"])
                      for i in output if i["type"] == "function_call" and i["status"] == "completed"]
             if calls:
                 reply["tool_calls"] = calls

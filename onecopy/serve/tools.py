@@ -222,6 +222,11 @@ def _reason(e: GrammarError) -> str:
 
 # -- messages ---------------------------------------------------------------------------------------------------
 
+def chat_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """A call in Chat Completions' form (an assistant message's ``tool_calls`` entry)."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
 def check_tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
     """An assistant message's ``tool_calls`` as given ([{id, type: function, function: {name, arguments}}])."""
     if not isinstance(raw, list) or not all(
@@ -229,8 +234,7 @@ def check_tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
             and isinstance(c["function"].get("arguments", ""), str) for c in raw):
         raise bad_request(f"'{where}' must be a list of {{id, type: function, function: {{name, arguments}}}} with "
                           "arguments as a JSON string", param=where, code="invalid_value")
-    return [{"id": str(c.get("id") or new_call_id()), "type": "function",
-             "function": {"name": c["function"]["name"], "arguments": c["function"].get("arguments") or "{}"}}
+    return [chat_call(str(c.get("id") or new_call_id()), c["function"]["name"], c["function"].get("arguments") or "{}")
             for c in raw]
 
 
@@ -365,7 +369,7 @@ class Call:
 
     def item(self) -> dict[str, Any]:
         """The call in Chat Completions' form."""
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return chat_call(self.id, self.name, self.arguments)
 
 
 def _object(text: str) -> bool:
