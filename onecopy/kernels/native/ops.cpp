@@ -18,6 +18,17 @@ namespace {
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
+at::Tensor fp8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ws, bool glu);  // below
+
+// Whether the current device has FP8 tensor cores and e4m3 conversions (sm_89+): the f8r weights' kernels need them.
+bool fp8_device() {
+  int device = 0, major = 0, minor = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  return major * 10 + minor >= 89;
+}
+
 // x's rows as the kernels read them, 16 bytes at a time: unit inner stride, every outer stride a multiple of 8
 // values, an aligned start (a contiguous view that starts off 16 bytes is copied: .contiguous() would return it
 // as it is).
@@ -350,7 +361,9 @@ std::tuple<at::Tensor, at::Tensor> packed_linear_by_gemm(const at::Tensor& x, co
     np.m = static_cast<int>(m); np.k = static_cast<int>(k);
     check_launch(onecopy_native::norm_rows_launch(np, stream), "norm_rows");
   }
-  const auto acc = packed_gemm(xin, qweight, scales, mins, layout, group).contiguous();  // bf16, as the eager linear
+  const auto acc = (layout == onecopy_native::kF8r ? fp8_matmul(xin, qweight, scales, false)  // its rows in e4m3
+                                                   : packed_gemm(xin, qweight, scales, mins, layout, group))
+                       .contiguous();  // bf16, as the eager linear
   const bool fold = glu || residual.has_value();
   at::Tensor res = residual.has_value() ? copyable_rows(*residual) : at::Tensor();
   auto out = fold ? at::empty({m, n_out}, x.options()) : acc;
@@ -378,10 +391,15 @@ std::tuple<at::Tensor, at::Tensor> packed_linear(const at::Tensor& x_in, const a
                                                  const std::optional<at::Tensor>& ss, double eps, bool glu,
                                                  int64_t layout, int64_t group, bool invariant) {
   TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x must be bfloat16 [M, K]");
-  TORCH_CHECK(group > 0 && (group & (group - 1)) == 0, "group must be a positive power of two, got ", group);
+  const bool f8r = layout == onecopy_native::kF8r;  // group K (any K a multiple of 64), e4m3 values
+  TORCH_CHECK(f8r || (group > 0 && (group & (group - 1)) == 0), "group must be a positive power of two, got ", group);
+  TORCH_CHECK(f8r == (qweight.scalar_type() == at::kFloat8_e4m3fn),
+              "an f8r weight (layout ", onecopy_native::kF8r, ") is float8_e4m3fn, the others are not; got layout ",
+              layout, " with ", qweight.scalar_type());
+  TORCH_CHECK(!f8r || !invariant, "f8r weights have no batch-invariant decode (their GEMM quantizes the rows)");
   const auto x = copyable_rows(x_in);  // 8- and 16-byte row loads
   const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0);
-  const int64_t per_byte = layout == onecopy_native::kQ8sMma ? 1 : 2;
+  const int64_t per_byte = layout == onecopy_native::kQ8sMma || f8r ? 1 : 2;
   TORCH_CHECK(qweight.is_contiguous() && qweight.size(1) * per_byte == k && scales.is_contiguous() &&
                   scales.scalar_type() == at::kFloat && scales.numel() == n * (k / group),
               "qweight [N, K / values per byte] and float32 scales [N, K / group] (contiguous) must match x's K");
@@ -399,6 +417,7 @@ std::tuple<at::Tensor, at::Tensor> packed_linear(const at::Tensor& x_in, const a
               "unsupported packed weight (packed_linear_supported): layout ", layout, ", group ", group, ", [", n, ", ",
               k, "]");
   c10::cuda::CUDAGuard guard(x.device());
+  TORCH_CHECK(!f8r || fp8_device(), "f8r weights need an sm_89+ GPU (e4m3 conversions and FP8 tensor cores)");
   if (norm_weight.has_value())
     TORCH_CHECK(ss.has_value() && norm_weight->is_contiguous() && norm_weight->numel() == k &&
                     norm_weight->scalar_type() == at::kBFloat16 && ss->scalar_type() == at::kFloat &&
@@ -413,9 +432,12 @@ std::tuple<at::Tensor, at::Tensor> packed_linear(const at::Tensor& x_in, const a
   // 16 rows (H100, int4 g128 at 16 rows, GEMV / GEMM: o 10.7 / 12.8 us, qkv 14.1 (4 tiles a CTA) / 14.6, down 29.8 / 32.8; at 32
   // rows the GEMM: 17.1 / 16.5, 29.6 / 18.1, 49.5 / 42.5). Past kKernelMaxRows (32) the GEMV re-reads each weight
   // tile once per 32 rows: the unpacked weight and cuBLAS. The batch-invariant decode keeps the GEMV.
-  if (!invariant && wgmma_serves(x, qweight, scales, mins, layout, group))  // folds around it, as around cuBLAS
+  // f8r: the GEMV up to kFp8MaxRows rows, then cuBLAS's FP8 GEMM on the rows quantized to e4m3, the folds around it
+  if (f8r && m > onecopy_native::kFp8MaxRows)
     return packed_linear_by_gemm(x, qweight, scales, mins, residual, norm_weight, ss, eps, glu, layout, group);
-  if (!invariant && m > 8) {
+  if (!f8r && !invariant && wgmma_serves(x, qweight, scales, mins, layout, group))  // folds around it, as around cuBLAS
+    return packed_linear_by_gemm(x, qweight, scales, mins, residual, norm_weight, ss, eps, glu, layout, group);
+  if (!f8r && !invariant && m > 8) {
     const auto plan = gemm_plan_for(m, n, k, layout, group, glu);
     if (plan.rows > 0 && (plan.k_splits == 1 || m > 16))
       return run_gemm(plan, x, qweight, scales, mins, residual, norm_weight, ss, eps, glu, layout, group, true);
@@ -478,10 +500,11 @@ at::Tensor glu_rows(const at::Tensor& x, int64_t k) {
   return out;
 }
 
-// x's rows quantized to e4m3 (models/packed.py's quantize_rows) times an FP8 weight [N, K] (e4m3, a float32 scale
-// per output feature): the GEMV kernel for up to kFp8MaxRows (8) rows (it quantizes the rows as it reads them),
-// the same quantization in one kernel and torch._scaled_mm (cuBLAS) for more. With `glu` x is a gate/up output
-// [M, 2K] and the rows are its SwiGLU (fp8_glu_linear).
+// x [M, K] times an FP8 weight [N, K] (e4m3, a float32 scale per output feature): up to kFp8MaxRows (8) bf16 rows
+// the packed GEMV (layout kF8r: bf16 rows against the exact bf16 of each e4m3 value, the feature's scale after the
+// sums); more rows, or fp16 ones, quantized to e4m3 as models/packed.py's quantize_rows does (one kernel) for
+// torch._scaled_mm (cuBLAS's FP8 GEMM). With `glu` x is a gate/up output [M, 2K] and the rows are its SwiGLU
+// (fp8_glu_linear: made in one kernel for the GEMV, made and quantized in one for the GEMM).
 at::Tensor fp8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ws, bool glu) {
   const int64_t m = x.size(0), n = w.size(0), k = w.size(1);
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) &&
@@ -492,24 +515,27 @@ at::Tensor fp8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor
                   : "fp8_linear takes bf16/fp16 rows [M, K] and an e4m3 weight [N, K] with float32 scales [N]");
   c10::cuda::CUDAGuard guard(x.device());
   auto xc = x.stride(1) == 1 && x.stride(0) % 8 == 0 ? x : x.contiguous();
-  if (m > onecopy_native::kFp8MaxRows || !onecopy_native::fp8_linear_supported(static_cast<int>(n), static_cast<int>(k))) {
+  const bool gemv = m <= onecopy_native::kFp8MaxRows && x.scalar_type() == at::kBFloat16 && fp8_device() &&
+                    onecopy_native::packed_linear_supported(onecopy_native::kF8r, static_cast<int>(k),
+                                                            static_cast<int>(n), static_cast<int>(k));
+  if (!gemv) {
     auto [q, s] = quantized_rows(xc, k, glu);
     return at::_scaled_mm(q, w.t(), s, ws.reshape({1, n}), std::nullopt, std::nullopt, x.scalar_type());
   }
-  if (glu) xc = glu_rows(xc, k);
-  auto wc = w.contiguous();
-  auto wsc = ws.contiguous();
+  xc = copyable_rows(glu ? glu_rows(xc, k) : xc);
+  auto wc = w.is_contiguous() && aligned16(w) ? w : w.contiguous().clone();
+  auto wsc = ws.is_contiguous() && aligned16(ws) ? ws : ws.contiguous().clone();
   auto out = at::empty({m, n}, x.options());
-  onecopy_native::Fp8LinearParams p{};
+  onecopy_native::PackedLinearParams p{};
   p.x = xc.data_ptr();
   p.stride_x = xc.stride(0);
   p.w = wc.data_ptr();
-  p.ws = wsc.data_ptr<float>();
+  p.s = wsc.data_ptr<float>();
   p.out = out.data_ptr();
   p.stride_o = out.stride(0);
-  p.m = static_cast<int>(m); p.n = static_cast<int>(n); p.k = static_cast<int>(k);
-  p.bf16 = x.scalar_type() == at::kBFloat16;
-  check_launch(onecopy_native::fp8_linear_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "fp8_linear");
+  p.m = static_cast<int>(m); p.n_out = static_cast<int>(n); p.k = static_cast<int>(k);
+  p.group = static_cast<int>(k); p.layout = onecopy_native::kF8r;  // no folds, no sums of squares (ss_out null)
+  check_launch(onecopy_native::packed_linear_launch(p, c10::cuda::getCurrentCUDAStream().stream()), "fp8_linear");
   return out;
 }
 

@@ -1,6 +1,6 @@
-// Weight-only packed projections for a decode step's rows (int4 / int8 values with per-group scales, bf16
-// activations, fp32 accumulation) and an FP8 weight x FP8 activation product for up to 8 rows, on the tensor
-// cores' register fragments.
+// Weight-only packed projections for a decode step's rows (int4 / int8 values with per-group scales, FP8 e4m3
+// values with a scale per output feature; bf16 activations, fp32 accumulation), on the tensor cores' register
+// fragments.
 //
 // Why CUDA: the Triton small-linear kernel dequantizes every value in fp32 (shift, mask, convert, multiply,
 // add, round: ~8 instructions a value) and so reads int4 weights at ~1 TB/s, a fifth of what HBM gives.
@@ -25,6 +25,9 @@
 //   scales (and mins): [tile][K / group][16].
 // The reduction index is permuted (a thread's fragment slots 2t, 2t+1, 2t+8, 2t+9 hold 4 consecutive values)
 // identically in A and B, so the products are the same; a step's 16 values stay inside one group.
+//   f8r (row-major e4m3 [N, K], as stored: cuBLAS's FP8 GEMM reads the same bytes for more rows): a stage is 64
+//     values, a thread's two 16-byte copies rows g and g + 8 at values 16 t .. 16 t + 15; step j's fragment is
+//     word j of each, W[g (+ 8)][16 t + 4 j + 0..3], and x's matching values x[row][16 t + 4 j + 0..3].
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -43,17 +46,6 @@ using namespace mma;
 
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
-
-__device__ __forceinline__ void mma_fp8(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                        uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#endif
-}
-
 
 // A block's partial sums, added in a fixed tree over its W warps (w += w + W / 2, then + W / 4, ...; for 8 warps
 // ((w0 + w4) + (w2 + w6)) + ((w1 + w5) + (w3 + w7))): the order never depends on the rows. `red` holds W / 2 x N x
@@ -118,10 +110,10 @@ __device__ __forceinline__ uint4 times_norm(uint4 v, uint4 w) {
 template <int L, int GS, int G, int W, bool Wide = false>
 struct Ring {
   static constexpr int kRingBytes = (Wide ? ONECOPY_RING_WIDE_KB : W == 8 ? ONECOPY_RING_KB : ONECOPY_RING16_KB) * 1024;
-  static constexpr int kCh = L == kQ8sMma ? 32 : 64;                   // values a chunk of the tile order
+  static constexpr int kCh = L == kQ8sMma || L == kF8r ? 32 : 64;     // values a chunk of the tile order
   static constexpr int kStageSteps = 2 * kCh / 16;                     // MMA steps a stage
   static constexpr int kP = kStageSteps / GS;                          // scale periods a stage
-  static constexpr int kScaleRows = L == kQ4aMma ? 2 : 1;              // scales (and mins)
+  static constexpr int kScaleRows = L == kQ4aMma ? 2 : L == kF8r ? 0 : 1;  // scales (and mins); f8r's: at the end
   static constexpr int kScaleCopies = G * kP * kScaleRows * 4;         // 16-byte copies a stage and warp
   static constexpr int kPerStage = 32 * W * 32 * G + W * kScaleCopies * 16;
   static constexpr int kFit = kRingBytes / kPerStage;
@@ -129,6 +121,50 @@ struct Ring {
   static constexpr int kBytes = kStages * kPerStage;
   static_assert(kScaleCopies <= 128, "at most four 16-byte scale copies a lane and stage");
 };
+
+// f8r values as bf16, exactly, in one of two forms (ONECOPY_F8R_CVT, the harness's A/B builds):
+// - 0: bytes 1 and 3 of a word (each the high byte of a 16-bit half) keep their signs and move their exponent and
+//   mantissa down 4 bits into bf16's, so each is the e4m3 value times 2^-120 (bf16's exponent bias is 127, e4m3's
+//   7; e4m3's subnormals become bf16's), in three integer instructions a pair (Marlin's FP8 dequantization, with
+//   bf16's wider exponent); bytes 0 and 2 the same after a shift. A register then holds values 0 and 2 (or 1 and 3)
+//   of a step's 4, and x's B fragment is permuted alike (two byte permutes).
+// - 1: cvt.rn.f16x2.e4m3x2 (exact), then f16 -> bf16 by moving exponent and mantissa down 3 bits, keeping f16's
+//   bias: the value times 2^-112, normal. Slower (H200, one row: gate/up 44.9 us against int8's 35.0; the
+//   conversion's throughput).
+// The epilogue multiplies the 2^120 (2^112) back with the feature's scale. sm_89+ (the f8r ops check it).
+#ifndef ONECOPY_F8R_CVT
+#define ONECOPY_F8R_CVT 0
+#endif
+constexpr float kF8rUnscale = ONECOPY_F8R_CVT ? 0x1p112f : 0x1p120f;
+
+__device__ __forceinline__ uint32_t e4m3_high_bytes_bf16x2(uint32_t v) {
+  return (v & 0x80008000u) | ((v & 0x7f007f00u) >> 4);
+}
+
+__device__ __forceinline__ uint32_t e4m3x2_bf16x2(uint32_t two) {  // (the cvt form) the low 16 bits' two values
+  uint32_t h = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(static_cast<unsigned short>(two)));
+#endif
+  return ((h >> 3) & 0x0fff0fffu) | (h & 0x80008000u);
+}
+
+// MMA step j's A fragment of an f8r stage (lo: row g's 16 bytes, hi: row g + 8's): values 4 j .. 4 j + 3 of each,
+// in the order x_frags gives B's (0 and 2, then 1 and 3; the cvt form 0 and 1, then 2 and 3).
+__device__ __forceinline__ void f8r_step(const uint4& lo, const uint4& hi, int j, uint32_t (&a)[4]) {
+  const uint32_t l[4] = {lo.x, lo.y, lo.z, lo.w}, h[4] = {hi.x, hi.y, hi.z, hi.w};
+#if ONECOPY_F8R_CVT
+  a[0] = e4m3x2_bf16x2(l[j]);
+  a[1] = e4m3x2_bf16x2(h[j]);
+  a[2] = e4m3x2_bf16x2(l[j] >> 16);
+  a[3] = e4m3x2_bf16x2(h[j] >> 16);
+#else
+  a[0] = e4m3_high_bytes_bf16x2(l[j] << 8);
+  a[1] = e4m3_high_bytes_bf16x2(h[j] << 8);
+  a[2] = e4m3_high_bytes_bf16x2(l[j]);
+  a[3] = e4m3_high_bytes_bf16x2(h[j]);
+#endif
+}
 
 // L: layout; NT: 8-row n-tiles per CTA; GS: MMA steps per scale (a group's share of a stage); G: 2 with a
 // fused gate/up weight; W: warps (8, or 16 where the tiles are too few to fill the SMs: `plan_for`); S: x staged in shared memory (dynamic, after the ring; rows K + 8 values apart: no bank
@@ -156,7 +192,8 @@ __global__ void __launch_bounds__(32 * W, T > 1 ? 1 : (NT == 1 ? 4 : 2) * 8 / W)
   constexpr int kCh = R::kCh;
   constexpr int kSteps = kCh / 16;  // a chunk's
   constexpr bool kAffine = L == kQ4aMma;
-  constexpr bool kInt4 = L != kQ8sMma;
+  constexpr bool kInt4 = L == kQ4zMma || L == kQ4aMma;
+  constexpr bool kF8 = L == kF8r;  // no scale periods: the feature's scale in the epilogue
   constexpr float kBias = L == kQ4zMma ? 136.f : 128.f;
   constexpr int kRows = 8 * NT;
   constexpr int kP = R::kP;
@@ -192,7 +229,8 @@ __global__ void __launch_bounds__(32 * W, T > 1 ? 1 : (NT == 1 ? 4 : 2) * 8 / W)
   float* ring_s = reinterpret_cast<float*>(dyn + kStages * 2 * GT * kThreads);
   const uint32_t ring_w_at = static_cast<uint32_t>(__cvta_generic_to_shared(ring_w)) + 16 * threadIdx.x;
   const uint32_t ring_s_at = static_cast<uint32_t>(__cvta_generic_to_shared(ring_s)) + 16 * (warp * kSC + lane);
-  constexpr int kCopies = (kSC + 31) / 32;  // scale copies a lane
+  constexpr int kCopies = kSC > 0 ? (kSC + 31) / 32 : 1;  // scale copies a lane (f8r: none, s_on false)
+  constexpr int kSRd = kSR > 0 ? kSR : 1;
   const float* s_src[kCopies];
   int s_off[kCopies];                         // (h tile offset, period) part of the source offset, in floats
   int s_k[kCopies];                           // the period's first value in the stage
@@ -200,7 +238,7 @@ __global__ void __launch_bounds__(32 * W, T > 1 ? 1 : (NT == 1 ? 4 : 2) * 8 / W)
 #pragma unroll
   for (int i = 0; i < kCopies; ++i) {
     const int u = lane + 32 * i;
-    const int su = u >> 2, which = su % kSR, pp = (su / kSR) % kP, slot = su / (kSR * kP);
+    const int su = u >> 2, which = su % kSRd, pp = (su / kSRd) % kP, slot = su / (kSRd * kP);
     s_on[i] = u < kSC;
     s_k[i] = pp * GS * 16;
     s_src[i] = (kAffine && which ? p.mn : p.s) + 4 * (u & 3);
@@ -215,10 +253,16 @@ __global__ void __launch_bounds__(32 * W, T > 1 ? 1 : (NT == 1 ? 4 : 2) * 8 / W)
 #pragma unroll
       for (int h = 0; h < GT; ++h) {
         const int64_t wt = static_cast<int64_t>(is_tile) * T + h % T + h / T * tiles_out;
-        const uint4* src = w + (wt * chunks + c) * 32 + lane;
         const uint32_t dst = ring_w_at + (wr * 2 * GT + 2 * h) * kThreads * 16;
-        copy_async16(dst, src);
-        if (second) copy_async16(dst + kThreads * 16, src + 32);
+        if constexpr (kF8) {  // rows g and g + 8, values 16 t .. of the stage's 64 (chunks is even: K % 64 == 0)
+          const uint8_t* src = static_cast<const uint8_t*>(p.w) + (wt * 16 + g) * p.k + c * kCh + 16 * t;
+          copy_async16(dst, src);
+          copy_async16(dst + kThreads * 16, src + 8 * static_cast<int64_t>(p.k));
+        } else {
+          const uint4* src = w + (wt * chunks + c) * 32 + lane;
+          copy_async16(dst, src);
+          if (second) copy_async16(dst + kThreads * 16, src + 32);
+        }
       }
       const int s_base = (is_tile * T * groups + ((c * kCh) >> group_shift)) * 16;
 #pragma unroll
@@ -340,6 +384,48 @@ __global__ void __launch_bounds__(32 * W, T > 1 ? 1 : (NT == 1 ? 4 : 2) * 8 / W)
       rd = rd + 1 == kStages ? 0 : rd + 1;
       float tmp[GT][NT][4] = {};
       float xs[NT] = {};
+      // x's B fragments at value k: 4 values of each n-tile's row for this thread (the norm's weight applied)
+      auto x_frags = [&](int k, uint32_t(&b)[NT][2]) {
+        uint2 nv = make_uint2(0, 0);
+        if (nw != nullptr) nv = *reinterpret_cast<const uint2*>(nw + k);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          uint2 v = S ? *reinterpret_cast<const uint2*>(xs_smem + xrow[nt] * sk + k)
+                      : *reinterpret_cast<const uint2*>(x + (row0 + xrow[nt]) * p.stride_x + k);
+          if (nw != nullptr) {  // the norm's weight, one rounding, as the eager x * w
+            v.x = pack_bf16(lo_f(v.x) * lo_f(nv.x), hi_f(v.x) * hi_f(nv.x));
+            v.y = pack_bf16(lo_f(v.y) * lo_f(nv.y), hi_f(v.y) * hi_f(nv.y));
+          }
+          if constexpr (kF8 && !ONECOPY_F8R_CVT) {  // values 0 and 2, then 1 and 3, as f8r_step pairs them
+            b[nt][0] = __byte_perm(v.x, v.y, 0x5410);
+            b[nt][1] = __byte_perm(v.x, v.y, 0x7632);
+          } else {
+            b[nt][0] = v.x;
+            b[nt][1] = v.y;
+          }
+          if constexpr (kInt4 && !S) xs[nt] += (lo_f(v.x) + hi_f(v.x)) + (lo_f(v.y) + hi_f(v.y));
+        }
+      };
+      if constexpr (kF8) {  // a stage: rows g and g + 8 of 64 values, 4 steps, straight into the sums
+        uint4 lo[GT], hi[GT];
+#pragma unroll
+        for (int h = 0; h < GT; ++h) {
+          lo[h] = wsrc[(2 * h) * kThreads];
+          hi[h] = wsrc[(2 * h + 1) * kThreads];
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          uint32_t b[NT][2];
+          x_frags(pr * 2 * kCh + 16 * t + 4 * j, b);
+#pragma unroll
+          for (int h = 0; h < GT; ++h) {
+            uint32_t a[4];
+            f8r_step(lo[h], hi[h], j, a);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) mma_bf16(acc[h][nt], a, b[nt][0], b[nt][1]);
+          }
+        }
+      } else {  // (the int4 / int8 tile order: a stage is two chunks, scales applied per period)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         if (half == 1 && !second) break;
@@ -352,20 +438,7 @@ __global__ void __launch_bounds__(32 * W, T > 1 ? 1 : (NT == 1 ? 4 : 2) * 8 / W)
           const int js = half * kSteps + j;  // the stage's step
           const int k = c * kCh + 16 * j + 4 * t;
           uint32_t b[NT][2];
-          uint2 nv = make_uint2(0, 0);
-          if (nw != nullptr) nv = *reinterpret_cast<const uint2*>(nw + k);
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            uint2 v = S ? *reinterpret_cast<const uint2*>(xs_smem + xrow[nt] * sk + k)
-                        : *reinterpret_cast<const uint2*>(x + (row0 + xrow[nt]) * p.stride_x + k);
-            if (nw != nullptr) {  // the norm's weight, one rounding, as the eager x * w
-              v.x = pack_bf16(lo_f(v.x) * lo_f(nv.x), hi_f(v.x) * hi_f(nv.x));
-              v.y = pack_bf16(lo_f(v.y) * lo_f(nv.y), hi_f(v.y) * hi_f(nv.y));
-            }
-            b[nt][0] = v.x;
-            b[nt][1] = v.y;
-            if constexpr (kInt4 && !S) xs[nt] += (lo_f(v.x) + hi_f(v.x)) + (lo_f(v.y) + hi_f(v.y));
-          }
+          x_frags(k, b);
 #pragma unroll
           for (int h = 0; h < GT; ++h) {
             uint32_t a[4];
@@ -420,6 +493,7 @@ __global__ void __launch_bounds__(32 * W, T > 1 ? 1 : (NT == 1 ? 4 : 2) * 8 / W)
           }
         }
       }
+      }
     }
 
     float* flat = &acc[0][0][0];
@@ -465,9 +539,13 @@ __global__ void __launch_bounds__(32 * W, T > 1 ? 1 : (NT == 1 ? 4 : 2) * 8 / W)
         float ssq = 0.f;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          float v = round_bf16(fin[u][f0 + i][r] * scale);
+          // f8r: the feature's scale, and the power of two its bf16 values lack (f8r_step); others: times 1, exact
+          const int f = tile * 16 + f0 + i;
+          const float wg = kF8 ? p.s[f] * kF8rUnscale : 1.f;
+          float v = round_bf16(fin[u][f0 + i][r] * scale * wg);
           if constexpr (G == 2) {  // silu(gate) * up, each rounded to bf16 as the eager ops are
-            const float up = round_bf16(fin[T + u][f0 + i][r] * scale);
+            const float wu = kF8 ? p.s[p.n_out + f] * kF8rUnscale : 1.f;
+            const float up = round_bf16(fin[T + u][f0 + i][r] * scale * wu);
             v = round_bf16(round_bf16(v / (1.f + __expf(-v))) * up);
           }
           if (res != nullptr) v = round_bf16(__bfloat162float(res[row * p.stride_r + tile * 16 + f0 + i]) + v);
@@ -487,7 +565,7 @@ __global__ void __launch_bounds__(32 * W, T > 1 ? 1 : (NT == 1 ? 4 : 2) * 8 / W)
         if (r < mb) {
           const int64_t row = row0 + r;
           *reinterpret_cast<uint2*>(outp + row * p.stride_o + tile * 16 + f0) = o;
-          if (f0 == 0) p.ss_out[row * tiles_out + tile] = ssq;
+          if (f0 == 0 && p.ss_out != nullptr) p.ss_out[row * tiles_out + tile] = ssq;
         }
       } else {
         const int r = lane;
@@ -500,7 +578,7 @@ __global__ void __launch_bounds__(32 * W, T > 1 ? 1 : (NT == 1 ? 4 : 2) * 8 / W)
           uint2* dst = reinterpret_cast<uint2*>(outp + row * p.stride_o + tile * 16);
 #pragma unroll
           for (int i = 0; i < 4; ++i) dst[i] = o[i];
-          p.ss_out[row * tiles_out + tile] = (q[0] + q[1]) + (q[2] + q[3]);
+          if (p.ss_out != nullptr) p.ss_out[row * tiles_out + tile] = (q[0] + q[1]) + (q[2] + q[3]);
         }
       }
       __syncwarp();  // fin is read before the next tile's sums land there
@@ -521,171 +599,6 @@ __device__ __forceinline__ uint32_t to_e4m3x4(float x0, float x1, float x2, floa
 
 __device__ __forceinline__ float half_f(uint16_t v, bool bf16) {
   return bf16 ? __uint_as_float(static_cast<uint32_t>(v) << 16) : __half2float(__ushort_as_half(v));
-}
-
-// FP8: CTAs persistent over 16-output-feature tiles, one n-tile of up to 8 rows (kFp8MaxRows; two n-tiles measured
-// slower than cuBLAS at 16 rows), W warps over 64-value chunks.
-// Each row of x is quantized as models/packed.py's quantize_rows does on CUDA (scale = max |x| * fl(1 / 448),
-// e4m3(x / scale)): the CTA finds the rows' maxima together, then stages the e4m3 rows in shared memory (S) or, for
-// rows too wide for it, quantizes them again as it reads them. A thread's 16 bytes of weight row g (and g + 8) at
-// values 16 t.. of a chunk are its A fragments for two k32 steps, x's row g the same values its B fragments: the
-// reduction index permuted alike in A and B (as above), with the weight as stored (row-major, which cuBLAS's FP8
-// GEMM reads for more rows). As the packed kernel: 16 warps for weights of few tiles (`fp8_warps`), one barrier a
-// tile at 8 rows, the epilogue over the lanes. No batch-invariant decode takes FP8 weights, but a row's bits still
-// do not depend on the rows beside it: the warps and the order of the sums depend on the weight's shape alone.
-constexpr int kFp8RingBytes = 48 * 1024;        // 6 stages of an 8-warp CTA (32 bytes a thread and stage)
-constexpr size_t kFp8StageBytes = 72 * 1024;   // e4m3 rows staged up to this many bytes (more: quantized as read)
-
-template <bool S, int W>
-__global__ void __launch_bounds__(32 * W, 4 * 8 / W) fp8_linear_kernel(Fp8LinearParams p) {
-  constexpr int NT = 1;  // n-tiles of 8 rows
-  constexpr int kWarps = W;
-  constexpr int kThreads = 32 * W;
-  constexpr int kStages = kFp8RingBytes / (kThreads * 32);
-  constexpr int kAcc = NT * 4;
-  constexpr int kRows = 8 * NT;
-  __shared__ float red[2 * W * kAcc * 32];
-  __shared__ float fin[16][kRows + 1];
-  __shared__ float wmax[kWarps][kRows];
-  __shared__ float xscale[kRows];
-  extern __shared__ uint4 staged[];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int tiles = p.n / 16;
-  const int chunks = p.k / 64;
-  const int sk = p.k + 16;  // staged row stride (bytes)
-  const uint8_t* w = static_cast<const uint8_t*>(p.w);
-  const uint16_t* x = static_cast<const uint16_t*>(p.x);
-  // The weights' ring (as the packed kernel's, persistent as it is): per stage and thread the 16 bytes of row g
-  // and of row g + 8 of the next chunk of this warp's stream over the CTA's tiles.
-  uint4* ring = staged;
-  int is_tile = blockIdx.y, is_c = warp, wr = 0;
-  auto issue_next = [&]() {
-    if (is_tile < tiles && is_c < chunks) {
-      const uint8_t* lo = w + static_cast<int64_t>(is_tile * 16 + g) * p.k + 16 * t + is_c * 64;
-      copy_async16(ring + (2 * wr) * kThreads + threadIdx.x, lo);
-      copy_async16(ring + (2 * wr + 1) * kThreads + threadIdx.x, lo + 8 * static_cast<int64_t>(p.k));
-      is_c += kWarps;
-      if (is_c >= chunks) {
-        is_c = warp;
-        is_tile += gridDim.y;
-      }
-    }
-    copies_commit();
-    wr = wr + 1 == kStages ? 0 : wr + 1;
-  };
-  allow_dependents();
-#pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) issue_next();  // in flight while the rows' scales are found
-  wait_for_inputs();
-  for (int r = 0; r < kRows; ++r) {  // every thread 8 values at a time; max is exact in any order
-    float a = 0.f;
-    if (r < p.m)
-#pragma unroll 2
-      for (int i = threadIdx.x * 8; i < p.k; i += kThreads * 8) {
-        const uint4 v = *reinterpret_cast<const uint4*>(x + r * p.stride_x + i);
-        const uint16_t* h = reinterpret_cast<const uint16_t*>(&v);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) a = fmaxf(a, fabsf(half_f(h[e], p.bf16)));
-      }
-#pragma unroll
-    for (int o = 16; o >= 1; o /= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
-    if (lane == 0) wmax[warp][r] = a;
-  }
-  __syncthreads();
-  if (threadIdx.x < kRows) {
-    float a = 0.f;
-#pragma unroll
-    for (int i = 0; i < kWarps; ++i) a = fmaxf(a, wmax[i][threadIdx.x]);
-    // times the float reciprocal of 448, not / 448: torch divides a CUDA tensor by a Python number so (one ulp
-    // apart at times, and then some values round to the other e4m3 neighbour)
-    xscale[threadIdx.x] = fmaxf(a, 1e-12f) * (1.f / 448.f);
-  }
-  __syncthreads();
-  // 16 values of row `row` from k on as e4m3 bytes (4 words)
-  auto quantize16 = [&](int row, int k, uint32_t(&b)[4]) {
-    const uint4* src = reinterpret_cast<const uint4*>(x + row * p.stride_x + k);
-    const uint4 v0 = src[0], v1 = src[1];
-    const uint16_t* h0 = reinterpret_cast<const uint16_t*>(&v0);
-    const uint16_t* h1 = reinterpret_cast<const uint16_t*>(&v1);
-    const float s = xscale[row];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      b[i] = to_e4m3x4(half_f(h0[4 * i], p.bf16) / s, half_f(h0[4 * i + 1], p.bf16) / s,
-                       half_f(h0[4 * i + 2], p.bf16) / s, half_f(h0[4 * i + 3], p.bf16) / s);
-      b[2 + i] = to_e4m3x4(half_f(h1[4 * i], p.bf16) / s, half_f(h1[4 * i + 1], p.bf16) / s,
-                           half_f(h1[4 * i + 2], p.bf16) / s, half_f(h1[4 * i + 3], p.bf16) / s);
-    }
-  };
-  uint8_t* xq = reinterpret_cast<uint8_t*>(staged + 2 * kStages * kThreads);  // after the ring
-  if constexpr (S) {
-    const int per_row = p.k / 16;
-    for (int i = threadIdx.x; i < p.m * per_row; i += kThreads) {
-      const int r = i / per_row, k16 = (i - r * per_row) * 16;
-      uint32_t b[4];
-      quantize16(r, k16, b);
-      *reinterpret_cast<uint4*>(xq + r * sk + k16) = make_uint4(b[0], b[1], b[2], b[3]);
-    }
-    __syncthreads();
-  }
-  int xr[NT];  // past the last row, that row again (its MMA column is never written out)
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) xr[nt] = min(nt * 8 + g, p.m - 1);
-  int rd = 0, tiles_done = 0;
-  for (int tile = blockIdx.y; tile < tiles; tile += gridDim.y) {
-    float acc[NT][4] = {};
-    for (int c = warp; c < chunks; c += kWarps) {
-      issue_next();
-      copies_wait<kStages - 1>();
-      const uint4 lo = ring[(2 * rd) * kThreads + threadIdx.x], hi = ring[(2 * rd + 1) * kThreads + threadIdx.x];
-      rd = rd + 1 == kStages ? 0 : rd + 1;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        uint32_t b[4];
-        if constexpr (S) {
-          const uint4 v = *reinterpret_cast<const uint4*>(xq + xr[nt] * sk + c * 64 + 16 * t);
-          b[0] = v.x; b[1] = v.y; b[2] = v.z; b[3] = v.w;
-        } else {
-          quantize16(xr[nt], c * 64 + 16 * t, b);
-        }
-        mma_fp8(acc[nt], lo.x, hi.x, lo.y, hi.y, b[0], b[1]);
-        mma_fp8(acc[nt], lo.z, hi.z, lo.w, hi.w, b[2], b[3]);
-      }
-    }
-    float* flat = &acc[0][0];
-    float* rb = red + (tiles_done & 1) * kWarps * kAcc * 32;  // one barrier a tile, as the packed kernel's
-#pragma unroll
-    for (int i = 0; i < kAcc; ++i) rb[(warp * kAcc + i) * 32 + lane] = flat[i];
-    __syncthreads();
-    if (warp == 0) {
-#pragma unroll
-      for (int i = 0; i < kAcc; ++i) flat[i] = tree_sum<W, kAcc * 32>(rb + i * 32 + lane);
-    }
-    ++tiles_done;
-    if (warp == 0) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) fin[g + 8 * (e >> 1)][nt * 8 + 2 * t + (e & 1)] = acc[nt][e];
-      __syncwarp();
-      const int f0 = tile * 16;
-      // outputs q0 .. q0 + 3 of row r
-      auto quarter = [&](int r, int q0) {
-        const float xs = xscale[r];
-        float y[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) y[i] = fin[q0 + i][r] * (xs * p.ws[f0 + q0 + i]);
-        if (p.bf16) return make_uint2(pack_bf16(y[0], y[1]), pack_bf16(y[2], y[3]));
-        __half2 a = __floats2half2_rn(y[0], y[1]), b = __floats2half2_rn(y[2], y[3]);
-        return make_uint2(*reinterpret_cast<uint32_t*>(&a), *reinterpret_cast<uint32_t*>(&b));
-      };
-      uint16_t* out = static_cast<uint16_t*>(p.out);
-      const int r = lane >> 2, q0 = 4 * (lane & 3);  // lanes 4 r .. 4 r + 3: a quarter of row r's 16 outputs each
-      if (r < p.m) *reinterpret_cast<uint2*>(out + r * p.stride_o + f0 + q0) = quarter(r, q0);
-      __syncwarp();
-    }
-  }
-  copies_wait<0>();
 }
 
 // The end of a row's quantization by a CTA of T threads, with `a` this thread's part of the row's max |x|: the max
@@ -886,7 +799,7 @@ Plan plan_for(const PackedLinearParams& p) {
   const int sms = device_attribute(cudaDevAttrMultiProcessorCount);
   const int optin = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
   const int tiles = p.n_out / 16, weight_tiles = (p.glu ? 2 : 1) * tiles;
-  const bool int8 = L == kQ8sMma;
+  const bool int8 = L == kQ8sMma || L == kF8r;  // byte weights (f8r as int8: measured alike, H100)
   const auto stage_pays = [&](int nt) {
     return p.m == 1 || int8 || weight_tiles >= (nt == 1 ? 8 : 30) * sms;
   };
@@ -910,7 +823,7 @@ template <int L, int NT, int GS, int G, int W, int T = 1>
 void launch_glu(const PackedLinearParams& p, bool stage, cudaStream_t stream) {
   const size_t rows = static_cast<size_t>(p.m < 8 * NT ? p.m : 8 * NT);
   const size_t staged = rows * (p.k + 8) * 2;
-  const size_t sums = L != kQ8sMma ? rows * (p.k / (16 * GS)) * 4 : 0;
+  const size_t sums = L == kQ4zMma || L == kQ4aMma ? rows * (p.k / (16 * GS)) * 4 : 0;
   const size_t ring = Ring<L, GS, G * T, W, (T > 1)>::kBytes;
   if (stage &&
       smem_fits(reinterpret_cast<const void*>(packed_linear_kernel<L, NT, GS, G, true, W, T>), ring + staged + sums))
@@ -957,13 +870,12 @@ int launch_layout(const PackedLinearParams& p, cudaStream_t stream) {
 }  // namespace
 
 bool packed_linear_supported(int layout, int group, int n, int k) {
+  if (layout == kF8r) return group == k && n > 0 && n % 16 == 0 && k > 0 && k % 64 == 0;
   const int ch = layout == kQ8sMma ? 32 : 64;
   const bool groups = group == 32 || group == 64 || group == 128;
   return (layout == kQ4zMma || layout == kQ4aMma || layout == kQ8sMma) && groups && n > 0 && n % 16 == 0 &&
          k > 0 && k % ch == 0 && k % group == 0;
 }
-
-bool fp8_linear_supported(int n, int k) { return n > 0 && n % 16 == 0 && k > 0 && k % 64 == 0; }
 
 int packed_linear_launch(const PackedLinearParams& p, cudaStream_t stream) {
   if (!packed_linear_supported(p.layout, p.group, p.glu ? 2 * p.n_out : p.n_out, p.k) || p.n_out % 16 != 0)
@@ -981,34 +893,12 @@ int packed_linear_launch(const PackedLinearParams& p, cudaStream_t stream) {
       else if (p.group == 64) launch_layout<kQ4aMma, 4>(p, stream);
       else launch_layout<kQ4aMma, 8>(p, stream);
       break;
+    case kF8r:
+      launch_layout<kF8r, 4>(p, stream);  // (GS: no scale periods; 4 as int8 g128 for the ring's arithmetic)
+      break;
     default:
       if (p.group == 32) launch_layout<kQ8sMma, 2>(p, stream); else launch_layout<kQ8sMma, 4>(p, stream);
   }
-  return static_cast<int>(cudaGetLastError());
-}
-
-// Warps an FP8 CTA: 16 where two such CTAs an SM cover the tiles in one round (a warp's share of a tile halves).
-inline int fp8_warps(int tiles) {
-  return tiles <= 2 * device_attribute(cudaDevAttrMultiProcessorCount) ? 16 : 8;
-}
-
-template <int W>
-void fp8_launch(const Fp8LinearParams& p, cudaStream_t stream) {
-  const size_t stage = static_cast<size_t>(p.m) * (p.k + 16);
-  const size_t ring = kFp8RingBytes;
-  const bool staged =
-      stage <= kFp8StageBytes && smem_fits(reinterpret_cast<const void*>(fp8_linear_kernel<true, W>), ring + stage);
-  auto kernel = staged ? fp8_linear_kernel<true, W> : fp8_linear_kernel<false, W>;
-  const size_t smem = staged ? ring + stage : ring;
-  allow_smem(reinterpret_cast<const void*>(kernel), smem);
-  const dim3 grid(1, persistent_ctas(reinterpret_cast<const void*>(kernel), 32 * W, smem, p.n / 16, 1));
-  launch_overlapped(kernel, grid, 32 * W, smem, stream, p);
-}
-
-int fp8_linear_launch(const Fp8LinearParams& p, cudaStream_t stream) {
-  if (!fp8_linear_supported(p.n, p.k) || p.m > kFp8MaxRows) return -1;
-  if (p.m == 0) return 0;
-  if (fp8_warps(p.n / 16) == 16) fp8_launch<16>(p, stream); else fp8_launch<8>(p, stream);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -7,15 +7,17 @@
 
 namespace onecopy_native {
 
-// Weight layouts the kernels read, as kernels/native/__init__.py numbers them: the tile-ordered ("_mma")
-// forms of layouts.LAYOUTS' q4z, q4a, q8s (models/mma_order.py writes them), and f8r as stored.
-enum PackedLayout : int { kQ4zMma = 1, kQ4aMma = 2, kQ8sMma = 3 };
+// Weight layouts the kernels read, as layouts.NATIVE_LAYOUT_IDS numbers them: the tile-ordered ("_mma")
+// forms of layouts.LAYOUTS' q4z, q4a, q8s (models/mma_order.py writes them), and f8r as stored (row-major e4m3
+// [N, K], one float32 scale per output feature: group K).
+enum PackedLayout : int { kQ4zMma = 1, kQ4aMma = 2, kQ8sMma = 3, kF8r = 4 };
 
 // y = x @ W^T for a decode step's rows, W a tile-ordered packed weight, with the folds of kernels/linear.py:
 // an RMSNorm of x before (its weight `nw`, and the partial sums of squares `ss` [M, p_in] of x's rows),
 // SwiGLU of a fused gate/up weight after (`glu`: W has 2 n_out rows, the up rows after the gate rows), or a
-// residual add (`res` [M, n_out]). Writes out [M, n_out] and ss_out [M, n_out / 16] (each row's sum of
-// squares over each 16 outputs, for the next norm). x, nw, res, out: bfloat16; strides in elements.
+// residual add (`res` [M, n_out]). Writes out [M, n_out] and, unless null, ss_out [M, n_out / 16] (each row's sum
+// of squares over each 16 outputs, for the next norm). x, nw, res, out: bfloat16; strides in elements. An f8r
+// weight (layout kF8r, group K, `s` its scales [N], `mn` null) takes bf16 rows, as the others: no quantization.
 struct PackedLinearParams {
   const void* x;
   int64_t stride_x;
@@ -35,20 +37,6 @@ struct PackedLinearParams {
   int m, n_out, k, group, layout;
   bool glu;
   bool invariant;  // the batch-invariant decode: every launch choice that sets a row's bits independent of M
-};
-
-// y = x @ W^T with x's rows quantized to e4m3 (a float32 scale each, max |x| / 448) and an e4m3 weight [N, K]
-// as stored (row-major) with one float32 scale per output feature; x [M, K] and out [M, N] in bf16 (or fp16
-// with `bf16` false), strides in elements. M <= kFp8MaxRows.
-struct Fp8LinearParams {
-  const void* x;
-  int64_t stride_x;
-  const void* w;
-  const float* ws;
-  void* out;
-  int64_t stride_o;
-  int m, n, k;
-  bool bf16;
 };
 
 // Each row of x [M, K] (bf16, or fp16 with `bf16` false; 16-byte aligned rows, K a multiple of 8) quantized to
@@ -85,19 +73,17 @@ struct UnpackParams {
 // except in the batch-invariant decode, which runs it at every size. H200, 8B projections
 // (benchmarks/results/native_linear_h200.json): ahead up to 16 rows, 1.3-2x behind bf16 cuBLAS at 64.
 constexpr int kKernelMaxRows = 32;
-// Rows the FP8 kernel takes (one n-tile; past that cuBLAS's FP8 GEMM, its rows quantized by one kernel: at 16 rows
-// the kernel's two n-tiles measured 1.3-1.6x cuBLAS's time on the 4096-wide projections, H200,
-// results/native_linear_fp8_h200.json).
+// Rows the GEMV takes for an f8r weight (one n-tile; past that cuBLAS's FP8 GEMM on e4m3 rows, ops.cpp's
+// fp8_matmul: an earlier GEMV of FP8 rows measured 1.3-1.6x cuBLAS's time at 16 rows on the 4096-wide
+// projections, H200, results/native_linear_fp8_h200.json).
 constexpr int kFp8MaxRows = 8;
 // Widest SwiGLU rows the fused quantization takes (their K products in shared memory: 2 bytes each, 96 KiB).
 constexpr int kGluMaxK = 48 * 1024;
 
 // Whether the kernels take this weight: layout, group, shape (N a multiple of 16, K of the layout's chunk).
 bool packed_linear_supported(int layout, int group, int n, int k);
-bool fp8_linear_supported(int n, int k);
 // 0, or the CUDA error of the launch (-1: an unsupported shape or layout).
 int packed_linear_launch(const PackedLinearParams& p, cudaStream_t stream);
-int fp8_linear_launch(const Fp8LinearParams& p, cudaStream_t stream);
 int unpack_launch(const UnpackParams& p, cudaStream_t stream);
 int quantize_rows_launch(const QuantizeRowsParams& p, cudaStream_t stream);
 
