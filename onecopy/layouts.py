@@ -20,6 +20,8 @@ MMA_LAYOUTS = {"q4z": "q4z_mma", "q4a": "q4a_mma", "q8s": "q8s_mma"}  # stored o
 MMA_GROUPS = (32, 64, 128)  # the groups the tile order (and its kernel) takes
 # Each tile-ordered layout's number, as the native kernels' PackedLayout enum takes it (packed_linear.h).
 MMA_LAYOUT_IDS = {"q4z_mma": 1, "q4a_mma": 2, "q8s_mma": 3}
+# f8r's number there: its GEMV reads the weight as stored (row-major e4m3, as cuBLAS's FP8 GEMM does for more rows).
+F8R_NATIVE_ID = 4
 # Each kernel-read layout's number, as the Triton kernels' LAYOUT constexpr and the CPU kernel's Layout enum
 # take it (0 is a float weight in the Triton kernels).
 LAYOUT_IDS = {"q8s": 1, "q4z": 2, "q4a": 3, "q8a": 4}

@@ -7,7 +7,8 @@ checks a manifest with it without importing this one); the GGUF repack, `gguf_re
 export-time quantizer, `quantize`, both produce them. One layout quantizes the activations too: ``f8r`` holds
 float8 e4m3 values with one float32 scale per output feature (its group is the whole row, K), and
 its layers multiply on the FP8 tensor cores (`fp8_linear`): each row of x is scaled into e4m3 on the
-fly, so at a wide batch the GEMM runs at twice the bf16 rate (Hopper, Ada). A layer that holds one
+fly, so at a wide batch the GEMM runs at twice the bf16 rate (Hopper, Ada); in a CUDA decode step up to 8 rows
+take the native packed GEMV instead (bf16 rows, the weight's exact values: no quantization). A layer that holds one
 (`PackedLayer`: `linear.PackedLinear`, `PackedEmbedding`) keeps the tensors as buffers, so that export
 lifts them as constants under FQNs of their own (``<module>.qweight``, ``.scales``, ``.mins``) and the
 weight store holds them at their packed size.
@@ -15,8 +16,9 @@ weight store holds them at their packed size.
 How a projection multiplies by its weight, float or packed, is `linear.matmul`: it picks among
 `dequantize`, `fp8_linear` and `kernel_linear` here and `invariant.linear_rows` (it lives apart from
 this module because `invariant` imports this one). An ``f8r`` weight takes `fp8_linear`
-everywhere (CPU and CUDA, any number of rows); it has no batch-invariant kernel, so its bundles export
-no batch-invariant decode (`activation_quantized`).
+everywhere (CPU and CUDA, any number of rows) but in a CUDA decode step, which `kernel_linear` gives the
+native packed op with its folds (`projections.fp8_folds`); it has no batch-invariant kernel, so its
+bundles export no batch-invariant decode (`activation_quantized`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from torch import nn
 
 from .. import kernels
 from ..kernels import native
-from ..layouts import LAYOUT_IDS, LAYOUTS, MMA_LAYOUT_IDS, MMA_LAYOUTS, PACKED_PARTS, check_packed
+from ..layouts import F8R_NATIVE_ID, LAYOUT_IDS, LAYOUTS, MMA_LAYOUT_IDS, MMA_LAYOUTS, PACKED_PARTS, check_packed
 from .mma_order import PLAIN_LAYOUTS, order_groups, order_values, unorder_groups, unorder_values
 
 ACTIVATION_QUANTIZED = frozenset({"f8r"})  # layouts multiplied by `fp8_linear`, not read by the Triton kernels
@@ -132,9 +134,10 @@ def fp8_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None) -> 
     (`quantize_rows`), one ``torch._scaled_mm`` with the row and feature scales, in x's dtype. Each output
     row depends on its input row alone in exact arithmetic, but the GEMM's kernel (its tiles) is cuBLAS's
     or CUTLASS's choice per batch size: not batch-invariant bit for bit.
-    On CUDA with the native kernels (`kernels.native.fp8_serves`) one op does both: up to 8 rows a GEMV
-    kernel that quantizes the rows as it reads them (cuBLAS's GEMM at one row was slower than bf16), more
-    rows this same quantization and ``_scaled_mm``."""
+    On CUDA with the native kernels (`kernels.native.fp8_serves`) one op: up to 8 bf16 rows the packed GEMV,
+    which multiplies the rows as they are (no quantization) by the exact bf16 of each e4m3 value and applies
+    the feature's scale to the sums (cuBLAS's GEMM at one row was slower than bf16, and an FP8-rows GEMV slower
+    than this one), more rows this same quantization and ``_scaled_mm``."""
     rows = x.reshape(-1, x.shape[-1])
     if native.fp8_serves(x):
         y = native.fp8_linear(rows, w.qweight, w.scales)
@@ -178,6 +181,10 @@ def kernel_linear(x: torch.Tensor, w: Weight, **options: Any) -> tuple[torch.Ten
         return native.packed_linear(x, w.qweight, w.scales, w.mins, MMA_LAYOUT_IDS[w.layout], w.group,
                                     residual=options.get("residual"), glu=options.get("glu", False),
                                     norm=options.get("norm"), invariant=options.get("invariant", False))
+    if isinstance(w, Packed) and w.layout == "f8r":  # (`fp8_folds`: a CUDA decode with the native kernels)
+        return native.packed_linear(x, w.qweight, w.scales, None, F8R_NATIVE_ID, w.group,
+                                    residual=options.get("residual"), glu=options.get("glu", False),
+                                    norm=options.get("norm"))
     if isinstance(w, Packed):
         options["packed"] = (w.scales, w.mins, LAYOUT_IDS[w.layout], w.group)
         w = w.qweight

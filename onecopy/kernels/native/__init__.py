@@ -32,7 +32,7 @@ from ...layouts import MMA_LAYOUT_IDS
 LIBRARY = "onecopy_native"
 _SOURCES = ("ops.cpp", "decode_q8.cu", "packed_linear.cu", "packed_gemm.cu", "packed_wgmma.cu")
 KERNEL_MAX_ROWS = 32  # kKernelMaxRows: the packed-projection op's GEMV rows (more: the packed GEMM, or cuBLAS)
-FP8_MAX_ROWS = 8  # kFp8MaxRows: the FP8 GEMV kernel's rows; the op runs cuBLAS's FP8 GEMM for more
+FP8_MAX_ROWS = 8  # kFp8MaxRows: the GEMV's rows for FP8 weights; the ops run cuBLAS's FP8 GEMM for more
 # Whether traced or eager projections may call these kernels (the KV decode has its own switch, the model's
 # ``native_kernels``): the export sets it for the methods it traces (``native_kernels=False`` keeps Triton and
 # cuBLAS, the comparison). Per context, not per process.
@@ -72,8 +72,10 @@ def packed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
                   norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
                   invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step's rows x [M, K] (bf16) times a tile-ordered packed weight (``layout``:
-    layouts.MMA_LAYOUT_IDS), with the folds of `kernels.small_linear` (``norm`` = (weight, partial sums of
-    squares of x's rows [M, P], eps) before, SwiGLU of a gate/up weight or a residual add after). Returns
+    layouts.MMA_LAYOUT_IDS) or an FP8 one as stored (layouts.F8R_NATIVE_ID, ``group`` its K: up to
+    `FP8_MAX_ROWS` rows the GEMV on bf16 rows, more the rows quantized to e4m3 for cuBLAS's FP8 GEMM between the
+    two fold kernels below; sm_89+, no ``invariant``), with the folds of `kernels.small_linear` (``norm`` =
+    (weight, partial sums of squares of x's rows [M, P], eps) before, SwiGLU of a gate/up weight or a residual add after). Returns
     the output [M, N'] and its rows' sums of squares per 16 outputs [M, N' / 16] (for the next norm).
     With ``invariant`` the GEMV kernel at any number of rows (a row's bits then never depend on the batch);
     otherwise on Hopper from 33 to 512 rows the warpgroup-MMA kernel (`packed_wgmma`) between a norm kernel and a
@@ -117,15 +119,16 @@ def unpack(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | Non
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (rows quantized to e4m3 inside, `models.packed.quantize_rows`) times an e4m3 weight [N, K]
-    with float32 scales (N of them), in x's dtype."""
+    """x [M, K] times an e4m3 weight [N, K] with float32 scales (N of them), in x's dtype: up to `FP8_MAX_ROWS`
+    bf16 rows the packed GEMV (bf16 rows against the exact bf16 of each e4m3 value, the scale after the sums);
+    more (or fp16 rows) quantized to e4m3 (`models.packed.quantize_rows`) for cuBLAS's FP8 GEMM."""
     load()
     return torch.ops.onecopy_native.fp8_linear(x, w, scales.reshape(-1))
 
 
 def fp8_glu_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """`fp8_linear` of the SwiGLU rows silu(x[:, :K]) * x[:, K:] of a gate/up output x [M, 2K] and an e4m3 weight
-    [N, K]: the rows made and quantized in one kernel (up to 8 rows made in x's dtype for the FP8 GEMV).
+    [N, K]: the rows made and quantized in one kernel (up to 8 rows made in x's dtype for the GEMV).
     `models.packed.fp8_glu_linear` (an FP8 model's SwiGLU, `layers.swiglu`) calls it."""
     load()
     return torch.ops.onecopy_native.fp8_glu_linear(x, w, scales.reshape(-1))
