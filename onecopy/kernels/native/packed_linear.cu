@@ -799,7 +799,8 @@ Plan plan_for(const PackedLinearParams& p) {
   const int sms = device_attribute(cudaDevAttrMultiProcessorCount);
   const int optin = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
   const int tiles = p.n_out / 16, weight_tiles = (p.glu ? 2 : 1) * tiles;
-  const bool int8 = L == kQ8sMma || L == kF8r;  // byte weights (f8r as int8: measured alike, H100)
+  // byte weights: f8r is planned as int8 (its times: results/packed_linear_f8r_h200.txt)
+  const bool int8 = L == kQ8sMma || L == kF8r;
   const auto stage_pays = [&](int nt) {
     return p.m == 1 || int8 || weight_tiles >= (nt == 1 ? 8 : 30) * sms;
   };
