@@ -54,6 +54,25 @@ def _eager(x, exact, glu, residual, norm):
     return y if residual is None else residual + y
 
 
+def _fold_case(op: tuple, k: int, n_out: int, glu: bool, res: bool, norm: bool):
+    """64 random rows with what the folds take (a residual, the norm's weight and x's partial sums of squares, each
+    where asked), and ``call(lo, hi)``: the native packed op (operands ``op``: qweight, scales, mins, layout, group)
+    on rows lo..hi with them."""
+    from onecopy.kernels import native
+    from onecopy.models.projections import sum_of_squares
+
+    x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn(64, n_out, device="cuda", dtype=torch.bfloat16) if res else None
+    g = 1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16)
+    parts = torch.stack([sum_of_squares(c)[:, 0] for c in x.chunk(3, dim=1)], dim=1) if norm else None
+
+    def call(lo, hi):
+        nrm = (g, parts[lo:hi], 1e-5) if norm else None
+        return native.packed_linear(x[lo:hi], *op, residual=None if r is None else r[lo:hi], glu=glu, norm=nrm)
+
+    return x, r, g, parts, call
+
+
 def _gemm_weight(plain):
     """The weight as the packed GEMM multiplies it: s and m rounded to bf16, then s q + m rounded once to bf16."""
     from onecopy.models.packed import Packed, dequantize
@@ -279,7 +298,6 @@ def test_native_packed_linear_takes_the_gemm_with_its_folds_past_8_rows():
     from onecopy.kernels import native
     from onecopy.layouts import MMA_LAYOUT_IDS
     from onecopy.models.packed import dequantize, tile_ordered
-    from onecopy.models.projections import sum_of_squares
     from onecopy.models.quantize import quantize_weight
 
     torch.manual_seed(3)
@@ -298,14 +316,7 @@ def test_native_packed_linear_takes_the_gemm_with_its_folds_past_8_rows():
         p = tile_ordered(plain)
         op = (p.qweight, p.scales, p.mins, MMA_LAYOUT_IDS[p.layout], p.group)
         n_out = n // 2 if glu else n
-        x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
-        r = torch.randn(64, n_out, device="cuda", dtype=torch.bfloat16) if res else None
-        g = 1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16)
-        parts = torch.stack([sum_of_squares(c)[:, 0] for c in x.chunk(3, dim=1)], dim=1) if norm else None
-
-        def call(lo, hi):
-            nrm = (g, parts[lo:hi], 1e-5) if norm else None
-            return native.packed_linear(x[lo:hi], *op, residual=None if r is None else r[lo:hi], glu=glu, norm=nrm)
+        x, r, g, parts, call = _fold_case(op, k, n_out, glu, res, norm)
 
         # a row's bits from 9 to 32 rows (the GEMM) and from 33 to 64 (the GEMM, or on Hopper the wgmma kernel and
         # the fold kernels where it serves the weight) do not depend on the rows beside it
@@ -475,7 +486,6 @@ def test_native_packed_linear_takes_fp8_weights_with_the_folds():
     from onecopy.kernels import native
     from onecopy.layouts import F8R_NATIVE_ID
     from onecopy.models.packed import quantize_rows
-    from onecopy.models.projections import sum_of_squares
     from onecopy.models.quantize import quantize_weight
 
     torch.manual_seed(5)
@@ -485,15 +495,7 @@ def test_native_packed_linear_takes_fp8_weights_with_the_folds():
         qw, sw = w.qweight.cuda(), w.scales.cuda()
         exact = (qw.double() * sw.double()).float()
         n_out = n // 2 if glu else n
-        x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
-        r = torch.randn(64, n_out, device="cuda", dtype=torch.bfloat16) if res else None
-        g = 1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16)
-        parts = torch.stack([sum_of_squares(c)[:, 0] for c in x.chunk(3, dim=1)], dim=1) if norm else None
-
-        def call(lo, hi):
-            nrm = (g, parts[lo:hi], 1e-5) if norm else None
-            return native.packed_linear(x[lo:hi], qw, sw, None, F8R_NATIVE_ID, k,
-                                        residual=None if r is None else r[lo:hi], glu=glu, norm=nrm)
+        x, r, g, parts, call = _fold_case((qw, sw, None, F8R_NATIVE_ID, k), k, n_out, glu, res, norm)
 
         whole = call(0, 8)
         for lo, hi in ((3, 4), (0, 5), (2, 8)):
