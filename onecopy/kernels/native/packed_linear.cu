@@ -129,8 +129,9 @@ struct Ring {
 //   bf16's wider exponent); bytes 0 and 2 the same after a shift. A register then holds values 0 and 2 (or 1 and 3)
 //   of a step's 4, and x's B fragment is permuted alike (two byte permutes).
 // - 1: cvt.rn.f16x2.e4m3x2 (exact), then f16 -> bf16 by moving exponent and mantissa down 3 bits, keeping f16's
-//   bias: the value times 2^-112, normal. Slower (H200, one row: gate/up 44.9 us against int8's 35.0; the
-//   conversion's throughput).
+//   bias: the value times 2^-112, normal. The same bits (12 dumped cases with random bytes, e4m3's subnormals
+//   among them: the tensor cores take bf16's exactly), slower (H200, one row: gate/up 45.0 us against 42.5, int8's
+//   35.2; results/packed_linear_f8r_h200.txt).
 // The epilogue multiplies the 2^120 (2^112) back with the feature's scale. sm_89+ (the f8r ops check it).
 #ifndef ONECOPY_F8R_CVT
 #define ONECOPY_F8R_CVT 0
