@@ -427,7 +427,7 @@ class CallParser:
         if self._state == "text":
             self._emit(out, self._buf, final=True)
         elif self._state in ("head", "raw"):
-            self._emit(out, self._block_ws + OPEN + self._buf, final=True)
+            self._block_text(out, OPEN + self._buf, final=True)
         else:  # inside a call
             self._call.raw += self._buf
             if self._state == "tail":
@@ -534,21 +534,29 @@ class CallParser:
             return False
         return self._rest.strip() in ("", "}") or _object(call.raw[len(OPEN):].removesuffix(CLOSE))
 
+    def _complete(self, out: list[Event], call: Call, announced: bool) -> None:
+        """``call``'s block is a call: its events (those not sent as it streamed) and the whitespace around it dropped."""
+        index = len(self.calls) - 1 if announced else self._announce(out, call)
+        if not announced:
+            out.append(Arguments(index, call.arguments))
+        call.status = "complete"
+        out.append(CallEnd(index))
+        self._block_ws, self._ws, self._after_call, self._called = "", "", True, True
+
+    def _block_text(self, out: list[Event], raw: str, final: bool = False) -> None:
+        """A block that is no call: its text as generated, with the whitespace held before it."""
+        self._emit(out, self._block_ws + raw, final)
+        self._block_ws = ""
+
     def _settle(self, out: list[Event], final: bool = False) -> None:
         """The block of the call being read is over: a call, or text."""
         call, self._call, self._state = self._call, None, "text"
         announced = bool(self.calls) and self.calls[-1] is call
         if self._valid(call):
-            index = len(self.calls) - 1 if announced else self._announce(out, call)
-            if not announced:
-                out.append(Arguments(index, call.arguments))
-            call.status = "complete"
-            out.append(CallEnd(index))
-            self._block_ws, self._ws, self._after_call, self._called = "", "", True, True
+            self._complete(out, call, announced)
             return
         text: list[Event] = []
-        self._emit(text, self._block_ws + call.raw, final)
-        self._block_ws = ""
+        self._block_text(text, call.raw, final)
         if announced:
             call.status = "failed"
             out.append(CallFailed(len(self.calls) - 1, "".join(t.text for t in text)))
@@ -562,13 +570,9 @@ class CallParser:
         inner, self._buf, self._state = self._buf[:j], self._buf[j + len(CLOSE):], "text"
         call = self._read_whole(inner)
         if call is None:
-            self._emit(out, self._block_ws + OPEN + inner + CLOSE)
-            self._block_ws = ""
-            return
-        call.status = "complete"
-        index = self._announce(out, call)
-        out += [Arguments(index, call.arguments), CallEnd(index)]
-        self._block_ws, self._ws, self._after_call, self._called = "", "", True, True
+            self._block_text(out, OPEN + inner + CLOSE)
+        else:
+            self._complete(out, call, announced=False)
 
     def _read_whole(self, inner: str) -> Call | None:
         try:
