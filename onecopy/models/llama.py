@@ -25,7 +25,7 @@ from .base import MethodDef, PooledModel, as_method, pooled_methods
 from .layers import FeedForward, RMSNorm, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
 from .linear import matmul
 from .packed import flatten, kernel_linear
-from .projections import by_rows, fp8_folds, fp8_rows, fused_decode, kernel_rows, linear, sum_of_squares
+from .projections import by_rows, fp8_rows, fused_decode, kernel_rows, linear, sum_of_squares
 
 
 @dataclass
@@ -149,7 +149,7 @@ class Block(nn.Module):
             return out, out.new_empty((out.shape[0], kernels.small_linear_programs(dim, False)), dtype=torch.float32)
 
         operands = (y, x, self.ffn_norm.weight, *flat)
-        if kernel_rows(weights) or (fp8_rows(weights) and fp8_folds(x)):  # packed: the native op at any rows
+        if kernel_rows(weights, x):  # packed: the kernel for any number of rows (`projections.kernel_rows`)
             return rest_few(*operands)
         if fp8_rows(weights):  # FP8 without the native op: its GEMM for any number of rows
             return rest_many(*operands)

@@ -67,7 +67,7 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
     native op where `fp8_folds`, else `packed.fp8_linear` with the norm before it.
     """
     nw, ss, eps = norm if norm is not None else (None, None, 0.0)
-    if activation_quantized(weight) and not fp8_folds(x):
+    if activation_quantized(weight) and not kernel_rows([weight], x):
         return matmul(rms_norm(x, nw, eps) if norm is not None else x, weight, bias)
     wt, unflatten = flatten([weight])
 
@@ -86,13 +86,14 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
     return by_rows(x.shape[0], few, many, operands)
 
 
-def kernel_rows(weights: Sequence[Weight]) -> bool:
-    """True when a decode step of any number of rows takes the small-linear kernel for these weights
-    (no cuBLAS branch): when any is packed and none is FP8 (`fp8_rows`). Dequantizing for cuBLAS would
+def kernel_rows(weights: Sequence[Weight], x: torch.Tensor) -> bool:
+    """True when a decode step of x's rows, any number of them, takes the packed kernels for these weights (no
+    cuBLAS branch): when any is packed, and FP8 ones (`fp8_rows`) only where the native op takes them
+    (`fp8_folds`). Dequantizing for cuBLAS would
     write and read the weight in bf16 every step; the kernel runs them in 16-row programs, a row
     block's weight tiles shared through L2 (a branch per row count returned partial sums whose
     symbolic strides ``torch.cond`` refuses)."""
-    return any(isinstance(w, Packed) for w in weights) and not fp8_rows(weights)
+    return any(isinstance(w, Packed) for w in weights) and (not fp8_rows(weights) or fp8_folds(x))
 
 
 def fp8_rows(weights: Sequence[Weight]) -> bool:
