@@ -73,6 +73,12 @@ def _fold_case(op: tuple, k: int, n_out: int, glu: bool, res: bool, norm: bool):
     return x, r, g, parts, call
 
 
+def _gemv_slices(rows: int) -> list[tuple[int, int]]:
+    """Row ranges inside the FP8 GEMV's `rows` (kFp8MaxRows) whose bits must equal the whole batch's: one row, a
+    first block, and past 8 rows ranges across the second block of 8 (two n-tiles of rows a CTA)."""
+    return [(3, 4), (0, 5), (2, 8)] + ([(7, rows), (9, rows), (0, rows - 1)] if rows > 8 else [])
+
+
 def _gemm_weight(plain):
     """The weight as the packed GEMM multiplies it: s and m rounded to bf16, then s q + m rounded once to bf16."""
     from onecopy.models.packed import Packed, dequantize
@@ -397,7 +403,7 @@ def test_native_fp8_linear_matches_float64_and_past_8_rows_the_scaled_mm_path():
         w = quantize_weight(torch.randn(n, k) / k ** 0.5, "fp8", k)
         qw, sw = w.qweight.cuda(), w.scales.cuda()
         exact = qw.double() * sw.double()
-        for m in (1, 3, 5, 8):
+        for m in sorted({1, 3, 5, 8, native.FP8_MAX_ROWS}):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
             got = native.fp8_linear(x, qw, sw)
             ref = x.double() @ exact.t()
@@ -405,9 +411,9 @@ def test_native_fp8_linear_matches_float64_and_past_8_rows_the_scaled_mm_path():
             assert got.dtype == torch.bfloat16 and err <= 8e-3 * scale, (n, k, m, err, scale)  # ~1 bf16 ulp
         x = torch.randn(native.FP8_MAX_ROWS, k, device="cuda", dtype=torch.bfloat16)
         whole = native.fp8_linear(x, qw, sw)
-        for lo, hi in ((3, 4), (0, 5), (2, 8)):
+        for lo, hi in _gemv_slices(native.FP8_MAX_ROWS):
             assert torch.equal(whole[lo:hi], native.fp8_linear(x[lo:hi], qw, sw)), (n, k, lo, hi)
-        for m in (native.FP8_MAX_ROWS + 1, 16, 40):
+        for m in (native.FP8_MAX_ROWS + 1, native.FP8_MAX_ROWS + 7, 40):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             q, s = quantize_rows(x)
             want = torch._scaled_mm(q, qw.t(), scale_a=s, scale_b=sw.reshape(1, -1), out_dtype=x.dtype)
@@ -429,7 +435,7 @@ def test_native_fp8_identity_weight_shows_each_path_s_rows():
     for trial in range(10):
         k = 14336 if trial % 2 == 0 else 4096
         eye = torch.eye(k, device="cuda").to(torch.float8_e4m3fn)
-        x = torch.randn(12, k, device="cuda", dtype=torch.bfloat16) * 3
+        x = torch.randn(native.FP8_MAX_ROWS + 4, k, device="cuda", dtype=torch.bfloat16) * 3
         assert torch.equal(native.fp8_linear(x[:3], eye, torch.ones(k, device="cuda")), x[:3]), trial
         q, s = quantize_rows(x)
         got = native.fp8_linear(x, eye, torch.ones(k, device="cuda"))
@@ -497,11 +503,11 @@ def test_native_packed_linear_takes_fp8_weights_with_the_folds():
         n_out = n // 2 if glu else n
         x, r, g, parts, call = _fold_case((qw, sw, None, F8R_NATIVE_ID, k), k, n_out, glu, res, norm)
 
-        whole = call(0, 8)
-        for lo, hi in ((3, 4), (0, 5), (2, 8)):
+        whole = call(0, native.FP8_MAX_ROWS)
+        for lo, hi in _gemv_slices(native.FP8_MAX_ROWS):
             part = call(lo, hi)
             assert torch.equal(whole[0][lo:hi], part[0]) and torch.equal(whole[1][lo:hi], part[1]), (n, k, lo, hi)
-        for m in (1, 5, 8, 9, 16, 64):
+        for m in (1, 5, 8, 9, 12, 16, 17, 64):
             out, ss = call(0, m)
             rm, nm = None if r is None else r[:m], (g, parts[:m], 1e-5) if norm else None
             if m <= native.FP8_MAX_ROWS:

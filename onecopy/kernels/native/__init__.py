@@ -31,8 +31,12 @@ from ...layouts import MMA_LAYOUT_IDS
 
 LIBRARY = "onecopy_native"
 _SOURCES = ("ops.cpp", "decode_q8.cu", "packed_linear.cu", "packed_gemm.cu", "packed_wgmma.cu")
+# Build-time variants of the kernels for A/B runs on the GPU machine ("NAME=VALUE,NAME=VALUE": C++ macros such as
+# ONECOPY_FP8_MAX_ROWS); each distinct value builds its own library. Read once, at import: a process has one build.
+DEFINES: dict[str, str] = dict(d.split("=", 1) for d in os.environ.get("ONECOPY_NATIVE_DEFINES", "").split(",") if "=" in d)
 KERNEL_MAX_ROWS = 32  # kKernelMaxRows: the packed-projection op's GEMV rows (more: the packed GEMM, or cuBLAS)
-FP8_MAX_ROWS = 8  # kFp8MaxRows: the GEMV's rows for FP8 weights; the ops run cuBLAS's FP8 GEMM for more
+# kFp8MaxRows: the GEMV's rows for FP8 weights; the ops run cuBLAS's FP8 GEMM for more
+FP8_MAX_ROWS = int(DEFINES.get("ONECOPY_FP8_MAX_ROWS", 8))
 # Whether traced or eager projections may call these kernels (the KV decode has its own switch, the model's
 # ``native_kernels``): the export sets it for the methods it traces (``native_kernels=False`` keeps Triton and
 # cuBLAS, the comparison). Per context, not per process.
@@ -173,10 +177,13 @@ def load() -> None:
     suffix = "a" if (major, minor) == (9, 0) else ""  # sm_90a: the H100 / H200's wgmma (packed_wgmma.cu)
     arch = f"{major}{minor}{suffix}"
     cxx = pick_cxx()
+    flags = [f"-D{k}={v}" for k, v in sorted(DEFINES.items())]
+    variant = "".join(f"_{k.lower()}{v}" for k, v in sorted(DEFINES.items()))  # its own build folder
     try:
         with build_environment(CXX=cxx, NVCC_CCBIN=cxx, TORCH_CUDA_ARCH_LIST=f"{major}.{minor}{suffix}"):
-            build(name=f"{LIBRARY}_sm{arch}", sources=[str(here / s) for s in _SOURCES], is_python_module=False,
-                  extra_cflags=["-O3"], extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"],
+            build(name=f"{LIBRARY}_sm{arch}{variant}", sources=[str(here / s) for s in _SOURCES],
+                  is_python_module=False, extra_cflags=["-O3", *flags],
+                  extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", *flags],
                   extra_include_paths=[str(here)], verbose=False)
     except (RuntimeError, OSError, ImportError) as e:
         raise ToolchainError(f"the native CUDA kernels ({', '.join(_SOURCES)}) did not build: {str(e)[-600:]}; "

@@ -76,7 +76,10 @@ constexpr int kKernelMaxRows = 32;
 // Rows the GEMV takes for an f8r weight (one n-tile; past that cuBLAS's FP8 GEMM on e4m3 rows, ops.cpp's
 // fp8_matmul: an earlier GEMV of FP8 rows measured 1.3-1.6x cuBLAS's time at 16 rows on the 4096-wide
 // projections, H200, results/native_linear_fp8_h200.json).
-constexpr int kFp8MaxRows = 8;
+#ifndef ONECOPY_FP8_MAX_ROWS
+#define ONECOPY_FP8_MAX_ROWS 8
+#endif
+constexpr int kFp8MaxRows = ONECOPY_FP8_MAX_ROWS;
 // Widest SwiGLU rows the fused quantization takes (their K products in shared memory: 2 bytes each, 96 KiB).
 constexpr int kGluMaxK = 48 * 1024;
 
