@@ -64,7 +64,7 @@ def main() -> None:
                      "norm": (nw, torch.rand(m, k // 16, device="cuda") * 16, 1e-5) if norm else None,
                      "residual": torch.randn(m, n_out, device="cuda", dtype=torch.bfloat16) if residual else None}
             row = {"shape": shape, "N": n, "K": k, "rows": m,
-                   "path": "gemv" if m <= native.FP8_MAX_ROWS else "fp8 gemm", "us": {}}
+                   "path": "gemv" if m <= native.fp8_gemv_rows(n) else "fp8 gemm", "us": {}}
             # each row against the op on that row alone (the GEMV at one row): equal bits where the GEMV takes all
             # rows (a row's sums never depend on the batch), e4m3 rounding of the rows where the FP8 GEMM does
             c = f8s[0]

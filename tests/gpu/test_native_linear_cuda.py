@@ -73,10 +73,11 @@ def _fold_case(op: tuple, k: int, n_out: int, glu: bool, res: bool, norm: bool):
     return x, r, g, parts, call
 
 
-def _gemv_slices(rows: int) -> list[tuple[int, int]]:
-    """Row ranges inside the FP8 GEMV's `rows` (kFp8MaxRows) whose bits must equal the whole batch's: one row, a
-    first block, and past 8 rows ranges across the second block of 8 (two n-tiles of rows a CTA)."""
-    return [(3, 4), (0, 5), (2, 8)] + ([(7, rows), (9, rows), (0, rows - 1)] if rows > 8 else [])
+def _gemv_batches(rows: int) -> list[tuple[int, list[tuple[int, int]]]]:
+    """Batches of the FP8 GEMV (up to `rows`, fp8_gemv_rows) and row ranges inside each whose bits must equal the
+    batch's: a row's bits do not depend on the batch within one plan, one n-tile of rows a CTA (up to 8 rows) or
+    two (9-16: 8 warps a CTA, where a weight of few tiles takes 16 warps for up to 8 rows, another order of sums)."""
+    return [(8, [(3, 4), (0, 5), (2, 8)])] + ([(rows, [(7, rows), (1, rows), (0, rows - 1)])] if rows > 8 else [])
 
 
 def _gemm_weight(plain):
@@ -387,10 +388,11 @@ def test_native_unpack_equals_the_torch_dequantization():
             assert torch.equal(got, dequantize(p, dtype)), (name, dtype)  # the traceable read of the tile order
 
 
-def test_native_fp8_linear_matches_float64_and_past_8_rows_the_scaled_mm_path():
-    """FP8 weights: up to 8 rows the packed GEMV (bf16 rows against the exact bf16 of each e4m3 value, the feature's
-    scale after the sums; 8- and 16-warp CTAs by the weight's tiles) against float64 of the same weight, a row's bits
-    independent of the batch; past 8 rows the op quantizes the rows in one kernel and runs ``_scaled_mm``, bit for
+def test_native_fp8_linear_matches_float64_and_past_its_rows_the_scaled_mm_path():
+    """FP8 weights: up to fp8_gemv_rows (16 rows for weights of up to 8192 outputs, else 8) the packed GEMV (bf16
+    rows against the exact bf16 of each e4m3 value, the feature's scale after the sums; 8- and 16-warp CTAs by the
+    weight's tiles) against float64 of the same weight, a row's bits independent of the batch within a plan
+    (`_gemv_batches`); past those rows the op quantizes the rows in one kernel and runs ``_scaled_mm``, bit for
     bit `quantize_rows` + ``_scaled_mm`` as the torch path does."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 tensor cores: sm_89+")
@@ -403,17 +405,19 @@ def test_native_fp8_linear_matches_float64_and_past_8_rows_the_scaled_mm_path():
         w = quantize_weight(torch.randn(n, k) / k ** 0.5, "fp8", k)
         qw, sw = w.qweight.cuda(), w.scales.cuda()
         exact = qw.double() * sw.double()
-        for m in sorted({1, 3, 5, 8, native.FP8_MAX_ROWS}):
+        rows = native.fp8_gemv_rows(n)
+        for m in sorted({1, 3, 5, 8, rows}):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
             got = native.fp8_linear(x, qw, sw)
             ref = x.double() @ exact.t()
             err, scale = float((got.double() - ref).abs().max()), float(ref.abs().max())
             assert got.dtype == torch.bfloat16 and err <= 8e-3 * scale, (n, k, m, err, scale)  # ~1 bf16 ulp
-        x = torch.randn(native.FP8_MAX_ROWS, k, device="cuda", dtype=torch.bfloat16)
-        whole = native.fp8_linear(x, qw, sw)
-        for lo, hi in _gemv_slices(native.FP8_MAX_ROWS):
-            assert torch.equal(whole[lo:hi], native.fp8_linear(x[lo:hi], qw, sw)), (n, k, lo, hi)
-        for m in (native.FP8_MAX_ROWS + 1, native.FP8_MAX_ROWS + 7, 40):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        for size, slices in _gemv_batches(rows):
+            whole = native.fp8_linear(x[:size], qw, sw)
+            for lo, hi in slices:
+                assert torch.equal(whole[lo:hi], native.fp8_linear(x[lo:hi], qw, sw)), (n, k, lo, hi)
+        for m in (rows + 1, rows + 7, 40):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             q, s = quantize_rows(x)
             want = torch._scaled_mm(q, qw.t(), scale_a=s, scale_b=sw.reshape(1, -1), out_dtype=x.dtype)
@@ -422,7 +426,7 @@ def test_native_fp8_linear_matches_float64_and_past_8_rows_the_scaled_mm_path():
 
 def test_native_fp8_identity_weight_shows_each_path_s_rows():
     """An identity weight shows the rows each path multiplies: the GEMV's are x itself (every e4m3 value, here 1,
-    is exact in bf16 and so is the scale's 2^112 round trip), the GEMM's (past 8 rows) e4m3(x / s) * s with
+    is exact in bf16 and so is the scale's 2^112 round trip), the GEMM's (past fp8_gemv_rows) e4m3(x / s) * s with
     s = max |x| * fl(1/448), bit for bit `quantize_rows` on CUDA (torch divides by a Python number with its
     reciprocal: before the quantization did the same, 9 of 40 such trials had values on the other e4m3
     neighbour, H200)."""
@@ -435,7 +439,7 @@ def test_native_fp8_identity_weight_shows_each_path_s_rows():
     for trial in range(10):
         k = 14336 if trial % 2 == 0 else 4096
         eye = torch.eye(k, device="cuda").to(torch.float8_e4m3fn)
-        x = torch.randn(native.FP8_MAX_ROWS + 4, k, device="cuda", dtype=torch.bfloat16) * 3
+        x = torch.randn(native.fp8_gemv_rows(k) + 4, k, device="cuda", dtype=torch.bfloat16) * 3
         assert torch.equal(native.fp8_linear(x[:3], eye, torch.ones(k, device="cuda")), x[:3]), trial
         q, s = quantize_rows(x)
         got = native.fp8_linear(x, eye, torch.ones(k, device="cuda"))
@@ -443,9 +447,9 @@ def test_native_fp8_identity_weight_shows_each_path_s_rows():
 
 
 def test_native_fp8_glu_linear_makes_the_swiglu_rows_in_one_pass():
-    """fp8_glu_linear(x [M, 2K], w) is fp8_linear(silu(gate) * up, w): up to 8 rows the SwiGLU rows made in one
-    kernel for the GEMV, past that made and quantized in one kernel for ``_scaled_mm``. An identity weight shows the
-    rows: the eager products (silu, then the product, each rounded to bf16) up to 8 rows, those `quantize_rows`
+    """fp8_glu_linear(x [M, 2K], w) is fp8_linear(silu(gate) * up, w): up to fp8_gemv_rows the SwiGLU rows made in
+    one kernel for the GEMV, past that made and quantized in one kernel for ``_scaled_mm``. An identity weight shows
+    the rows: the eager products (silu, then the product, each rounded to bf16) up to those rows, those `quantize_rows`
     gives them past that, but for the rare product that the kernel's exp rounds to the other bf16 neighbour. A
     view whose rows are not 16-byte aligned takes ATen's ops: bit for bit the unfused op on the eager products."""
     if torch.cuda.get_device_capability() < (8, 9):
@@ -458,13 +462,13 @@ def test_native_fp8_glu_linear_makes_the_swiglu_rows_in_one_pass():
     for k in (4096, 14336):
         eye = torch.eye(k, device="cuda").to(torch.float8_e4m3fn)
         ones = torch.ones(k, device="cuda")
-        for m in (1, 3, 8, 9, 64):
+        for m in (1, 3, 8, 9, 16, 17, 64):
             x = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16) * 3
             gate, up = x.split([k, k], dim=-1)
             rows = F.silu(gate) * up
             q, s = quantize_rows(rows)
             got = native.fp8_glu_linear(x, eye, ones)
-            want = rows if m <= native.FP8_MAX_ROWS else (q.float() * s).to(torch.bfloat16)
+            want = rows if m <= native.fp8_gemv_rows(k) else (q.float() * s).to(torch.bfloat16)
             assert got.shape == (m, k) and got.dtype == torch.bfloat16
             assert float((got != want).float().mean()) < 1e-3, (k, m)
             assert float((got.float() - want.float()).abs().max()) <= 0.125 * float(want.float().abs().max()), (k, m)
@@ -483,10 +487,10 @@ def test_native_fp8_glu_linear_makes_the_swiglu_rows_in_one_pass():
 
 def test_native_packed_linear_takes_fp8_weights_with_the_folds():
     """An f8r weight through the decode step's packed op (layouts.F8R_NATIVE_ID, group K) with the folds (the norm
-    before, SwiGLU of a fused gate/up weight or the residual after, the rows' sums of squares): up to 8 rows the
-    GEMV against float64 (a row's bits independent of the batch), past 8 the norm kernel, the rows quantized for
-    cuBLAS's FP8 GEMM and the fold kernel against float64 of the quantized rows; no batch-invariant form, and an
-    int8 weight named f8r is refused."""
+    before, SwiGLU of a fused gate/up weight or the residual after, the rows' sums of squares): up to fp8_gemv_rows
+    the GEMV against float64 (a row's bits independent of the batch within a plan), past them the norm kernel, the
+    rows quantized for cuBLAS's FP8 GEMM and the fold kernel against float64 of the quantized rows; no
+    batch-invariant form, and an int8 weight named f8r is refused."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 tensor cores: sm_89+")
     from onecopy.kernels import native
@@ -503,14 +507,15 @@ def test_native_packed_linear_takes_fp8_weights_with_the_folds():
         n_out = n // 2 if glu else n
         x, r, g, parts, call = _fold_case((qw, sw, None, F8R_NATIVE_ID, k), k, n_out, glu, res, norm)
 
-        whole = call(0, native.FP8_MAX_ROWS)
-        for lo, hi in _gemv_slices(native.FP8_MAX_ROWS):
-            part = call(lo, hi)
-            assert torch.equal(whole[0][lo:hi], part[0]) and torch.equal(whole[1][lo:hi], part[1]), (n, k, lo, hi)
+        for size, slices in _gemv_batches(native.fp8_gemv_rows(n)):
+            whole = call(0, size)
+            for lo, hi in slices:
+                part = call(lo, hi)
+                assert torch.equal(whole[0][lo:hi], part[0]) and torch.equal(whole[1][lo:hi], part[1]), (n, k, lo, hi)
         for m in (1, 5, 8, 9, 12, 16, 17, 64):
             out, ss = call(0, m)
             rm, nm = None if r is None else r[:m], (g, parts[:m], 1e-5) if norm else None
-            if m <= native.FP8_MAX_ROWS:
+            if m <= native.fp8_gemv_rows(n):
                 ref = _reference(x[:m], exact, glu, rm, nm)
             else:  # the rows the GEMM multiplies: the norm's (as the eager model makes them), quantized to e4m3
                 xn = x[:m] if nm is None else (x[:m].float() * torch.rsqrt(parts[:m].sum(1, keepdim=True) / k + 1e-5)

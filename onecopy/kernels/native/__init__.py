@@ -2,7 +2,7 @@
 
 Two families: decode attention over an 8-bit paged KV cache (`decode_q8.cu`), and packed projections:
 `packed_linear.cu` for a decode step's few rows (int4 / int8 weights in the tile order the export writes,
-`models.mma_order`, and FP8 weights for up to 8 rows) and `packed_gemm.cu` for many (a wide decode step, a
+`models.mma_order`, and FP8 weights for up to 8 or 16 rows) and `packed_gemm.cu` for many (a wide decode step, a
 prefill chunk); the comments there say why they are not Triton. AOTInductor cannot embed
 a CUDA C++ kernel the way it embeds Triton's, so a package that uses these ops calls them by name (its proxy
 executor) and the process must have this library loaded before the package is: `load` builds it for the
@@ -35,8 +35,10 @@ _SOURCES = ("ops.cpp", "decode_q8.cu", "packed_linear.cu", "packed_gemm.cu", "pa
 # ONECOPY_FP8_MAX_ROWS); each distinct value builds its own library. Read once, at import: a process has one build.
 DEFINES: dict[str, str] = dict(d.split("=", 1) for d in os.environ.get("ONECOPY_NATIVE_DEFINES", "").split(",") if "=" in d)
 KERNEL_MAX_ROWS = 32  # kKernelMaxRows: the packed-projection op's GEMV rows (more: the packed GEMM, or cuBLAS)
-# kFp8MaxRows: the GEMV's rows for FP8 weights; the ops run cuBLAS's FP8 GEMM for more
-FP8_MAX_ROWS = int(DEFINES.get("ONECOPY_FP8_MAX_ROWS", 8))
+# kFp8MaxRows: the GEMV's rows for FP8 weights of at most FP8_NARROW_N outputs (8 for wider ones); the ops run
+# cuBLAS's FP8 GEMM for more (`fp8_gemv_rows`)
+FP8_MAX_ROWS = int(DEFINES.get("ONECOPY_FP8_MAX_ROWS", 16))
+FP8_NARROW_N = 8192
 # Whether traced or eager projections may call these kernels (the KV decode has its own switch, the model's
 # ``native_kernels``): the export sets it for the methods it traces (``native_kernels=False`` keeps Triton and
 # cuBLAS, the comparison). Per context, not per process.
@@ -71,13 +73,19 @@ def fp8_serves(x: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (8, 9))
 
 
+def fp8_gemv_rows(n: int) -> int:
+    """Rows the FP8 GEMV takes for a weight of ``n`` outputs (packed_linear.h's fp8_gemv_rows): more rows go to
+    cuBLAS's FP8 GEMM, as rows quantized to e4m3."""
+    return FP8_MAX_ROWS if n <= FP8_NARROW_N else 8
+
+
 def packed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                   layout: int, group: int, residual: torch.Tensor | None = None, glu: bool = False,
                   norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
                   invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step's rows x [M, K] (bf16) times a tile-ordered packed weight (``layout``:
     layouts.MMA_LAYOUT_IDS) or an FP8 one as stored (layouts.F8R_NATIVE_ID, ``group`` its K: up to
-    `FP8_MAX_ROWS` rows the GEMV on bf16 rows, more the rows quantized to e4m3 for cuBLAS's FP8 GEMM between the
+    `fp8_gemv_rows` rows the GEMV on bf16 rows, more the rows quantized to e4m3 for cuBLAS's FP8 GEMM between the
     two fold kernels below; sm_89+, no ``invariant``), with the folds of `kernels.small_linear` (``norm`` =
     (weight, partial sums of squares of x's rows [M, P], eps) before, SwiGLU of a gate/up weight or a residual add after). Returns
     the output [M, N'] and its rows' sums of squares per 16 outputs [M, N' / 16] (for the next norm).
@@ -123,7 +131,7 @@ def unpack(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | Non
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] times an e4m3 weight [N, K] with float32 scales (N of them), in x's dtype: up to `FP8_MAX_ROWS`
+    """x [M, K] times an e4m3 weight [N, K] with float32 scales (N of them), in x's dtype: up to `fp8_gemv_rows`
     bf16 rows the packed GEMV (bf16 rows against the exact bf16 of each e4m3 value, the scale after the sums);
     more (or fp16 rows) quantized to e4m3 (`models.packed.quantize_rows`) for cuBLAS's FP8 GEMM."""
     load()
@@ -132,7 +140,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.
 
 def fp8_glu_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """`fp8_linear` of the SwiGLU rows silu(x[:, :K]) * x[:, K:] of a gate/up output x [M, 2K] and an e4m3 weight
-    [N, K]: the rows made and quantized in one kernel (up to 8 rows made in x's dtype for the GEMV).
+    [N, K]: the rows made and quantized in one kernel (up to `fp8_gemv_rows` rows made in x's dtype for the GEMV).
     `models.packed.fp8_glu_linear` (an FP8 model's SwiGLU, `layers.swiglu`) calls it."""
     load()
     return torch.ops.onecopy_native.fp8_glu_linear(x, w, scales.reshape(-1))

@@ -432,8 +432,8 @@ std::tuple<at::Tensor, at::Tensor> packed_linear(const at::Tensor& x_in, const a
   // 16 rows (H100, int4 g128 at 16 rows, GEMV / GEMM: o 10.7 / 12.8 us, qkv 14.1 (4 tiles a CTA) / 14.6, down 29.8 / 32.8; at 32
   // rows the GEMM: 17.1 / 16.5, 29.6 / 18.1, 49.5 / 42.5). Past kKernelMaxRows (32) the GEMV re-reads each weight
   // tile once per 32 rows: the unpacked weight and cuBLAS. The batch-invariant decode keeps the GEMV.
-  // f8r: the GEMV up to kFp8MaxRows rows, then cuBLAS's FP8 GEMM on the rows quantized to e4m3, the folds around it
-  if (f8r && m > onecopy_native::kFp8MaxRows)
+  // f8r: the GEMV up to fp8_gemv_rows(N) rows, then cuBLAS's FP8 GEMM on the rows quantized to e4m3, the folds around it
+  if (f8r && m > onecopy_native::fp8_gemv_rows(n))
     return packed_linear_by_gemm(x, qweight, scales, mins, residual, norm_weight, ss, eps, glu, layout, group);
   if (!f8r && !invariant && wgmma_serves(x, qweight, scales, mins, layout, group))  // folds around it, as around cuBLAS
     return packed_linear_by_gemm(x, qweight, scales, mins, residual, norm_weight, ss, eps, glu, layout, group);
@@ -500,7 +500,7 @@ at::Tensor glu_rows(const at::Tensor& x, int64_t k) {
   return out;
 }
 
-// x [M, K] times an FP8 weight [N, K] (e4m3, a float32 scale per output feature): up to kFp8MaxRows (8) bf16 rows
+// x [M, K] times an FP8 weight [N, K] (e4m3, a float32 scale per output feature): up to fp8_gemv_rows(N) bf16 rows
 // the packed GEMV (layout kF8r: bf16 rows against the exact bf16 of each e4m3 value, the feature's scale after the
 // sums); more rows, or fp16 ones, quantized to e4m3 as models/packed.py's quantize_rows does (one kernel) for
 // torch._scaled_mm (cuBLAS's FP8 GEMM). With `glu` x is a gate/up output [M, 2K] and the rows are its SwiGLU
@@ -515,7 +515,7 @@ at::Tensor fp8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor
                   : "fp8_linear takes bf16/fp16 rows [M, K] and an e4m3 weight [N, K] with float32 scales [N]");
   c10::cuda::CUDAGuard guard(x.device());
   auto xc = x.stride(1) == 1 && x.stride(0) % 8 == 0 ? x : x.contiguous();
-  const bool gemv = m <= onecopy_native::kFp8MaxRows && x.scalar_type() == at::kBFloat16 && fp8_device() &&
+  const bool gemv = m <= onecopy_native::fp8_gemv_rows(n) && x.scalar_type() == at::kBFloat16 && fp8_device() &&
                     onecopy_native::packed_linear_supported(onecopy_native::kF8r, static_cast<int>(k),
                                                             static_cast<int>(n), static_cast<int>(k));
   if (!gemv) {

@@ -73,13 +73,19 @@ struct UnpackParams {
 // except in the batch-invariant decode, which runs it at every size. H200, 8B projections
 // (benchmarks/results/native_linear_h200.json): ahead up to 16 rows, 1.3-2x behind bf16 cuBLAS at 64.
 constexpr int kKernelMaxRows = 32;
-// Rows the GEMV takes for an f8r weight (one n-tile; past that cuBLAS's FP8 GEMM on e4m3 rows, ops.cpp's
-// fp8_matmul: an earlier GEMV of FP8 rows measured 1.3-1.6x cuBLAS's time at 16 rows on the 4096-wide
-// projections, H200, results/native_linear_fp8_h200.json).
+// Rows the GEMV takes for an f8r weight of N outputs (`fp8_gemv_rows`; past them the norm kernel, the rows quantized
+// to e4m3, cuBLAS's FP8 GEMM and the fold kernel: ops.cpp's packed_linear_by_gemm and fp8_matmul): up to
+// kFp8MaxRows (9-16 rows: two n-tiles a CTA) for N <= kFp8NarrowN, 8 (one n-tile) for wider weights. H100, the
+// decode step's folds, 9-16 rows, GEMV / GEMM path (benchmarks/fp8_rows_cuda.py, results/fp8_rows_max*_h100.json):
+// qkv 16.8-19.0 / 23.4-24.1 us, o 11.9-13.1 / 18.0-18.8, down 44.4-45.9 / 50.3-52.7; but the fused gate/up weight
+// (N 28672) 60.2-63.4 / 56.7-61.1 and the LM head (128256) 226.8-237.2 / 211.8-218.9.
 #ifndef ONECOPY_FP8_MAX_ROWS
-#define ONECOPY_FP8_MAX_ROWS 8
+#define ONECOPY_FP8_MAX_ROWS 16
 #endif
 constexpr int kFp8MaxRows = ONECOPY_FP8_MAX_ROWS;
+constexpr int kFp8WideMaxRows = 8;
+constexpr int kFp8NarrowN = 8192;
+inline int fp8_gemv_rows(int64_t n) { return n <= kFp8NarrowN ? kFp8MaxRows : kFp8WideMaxRows; }
 // Widest SwiGLU rows the fused quantization takes (their K products in shared memory: 2 bytes each, 96 KiB).
 constexpr int kGluMaxK = 48 * 1024;
 
