@@ -65,7 +65,7 @@ from onecopy.models.presets import PRESETS
 ENV_DIR = "ONECOPY_TEST_CACHE"
 ENV_MAX_GB = "ONECOPY_TEST_CACHE_MAX_GB"
 # Environment variables that move the generated code besides the ISA in effect (keyed as it is: `environment`).
-CODE_ENV = ("CXX",)
+CODE_ENV = ("CXX", "AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL")
 # TORCHINDUCTOR_* variables that only say where Inductor keeps its caches or how many processes compile.
 INDUCTOR_ENV_IGNORED = {"TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_COMPILE_THREADS"}
 # Directories and files whose every file shapes a bundle (on top of the exporter's imports).

@@ -23,6 +23,9 @@ from onecopy.models.source import EMBEDDED_DEFAULT, EMBEDDED_WHISPER, ModelSourc
 from . import bundle_cache
 from .bundle_cache import cached_bundle
 
+# The tests' bundles compile their C++ wrapper at -O0 (2 of a 2-layer method's ~6 s on CI's 2 cores; the level
+# moves only a CPU step's host-side overhead, which no test times), unless the environment says otherwise.
+os.environ.setdefault("AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL", "O0")
 TINY_MAX_SEQ_LEN = 64
 # Seconds an export that the cache misses may take (smollm2's takes ~2.5 min on 2 idle cores), on top of
 # the test's own timeout (pyproject.toml: timeout): the test's timer stops while it runs.

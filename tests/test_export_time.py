@@ -198,8 +198,24 @@ def test_the_cuda_wrapper_compiles_at_o0_unless_the_user_says(monkeypatch):
     key = "aot_inductor.compile_wrapper_opt_level"
     assert exporter._inductor_configs("g++", False, "cuda")[key] == "O0"
     assert key not in exporter._inductor_configs("g++", False, "cpu")  # CPU decode runs the wrapper every step
-    monkeypatch.setenv(exporter.WRAPPER_OPT_ENV, "O1")  # read by torch's config: it decides
-    assert key not in exporter._inductor_configs("g++", False, "cuda")
+    monkeypatch.setenv(exporter.WRAPPER_OPT_ENV, "O1")  # the user's level, in every process that compiles
+    assert exporter._inductor_configs("g++", False, "cuda")[key] == "O1"
+    assert exporter._inductor_configs("g++", False, "cpu")[key] == "O1"
+
+
+def test_exports_compile_without_line_tables(monkeypatch):
+    """Every g++ call of an export (the wrapper at its level, the CPU kernels at -O3) goes without -g1: the flags
+    Inductor builds under the export's configs."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.cpp_builder import _get_optimization_cflags
+
+    monkeypatch.delenv(exporter.WRAPPER_OPT_ENV, raising=False)
+    assert "g1" in _get_optimization_cflags("g++", min_optimize=True)[0]  # torch's default: line tables on
+    for device in ("cpu", "cuda"):
+        with inductor_config.patch(exporter._inductor_configs("g++", False, device)):
+            for min_optimize in (True, False):
+                cflags = _get_optimization_cflags("g++", min_optimize=min_optimize)[0]
+                assert "g1" not in cflags and not any(f.startswith("g") and f[1:].isdigit() for f in cflags), cflags
 
 
 def test_compile_jobs(monkeypatch):
