@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .decode import launch_decode, launch_decode_paged
+from .deltanet import launch_deltanet_decode
 from .dequant import launch_dequantize
 from .linear import Norm, PackedArgs, launch_linear
 from .prefill import launch_prefill, launch_prefill_paged
@@ -162,6 +163,15 @@ def _define_ops() -> None:
         tiles = small_linear_tiles(n_out, glu, True) if invariant else packed_linear_tiles(n_out, glu, layout)
         return launch_linear(x, qweight, residual, glu, tiles, norm, block_m, (scales, mins, layout, group))
 
+    @triton_op("onecopy::deltanet_decode", mutates_args=("conv_pool", "rec_pool"))
+    def deltanet_decode(proj: torch.Tensor, conv_pool: torch.Tensor, conv_w: torch.Tensor, rec_pool: torch.Tensor,
+                        a_log: torch.Tensor, dt_bias: torch.Tensor, norm_w: torch.Tensor, rows: torch.Tensor,
+                        positions: torch.Tensor, n_k_heads: int, eps: float) -> torch.Tensor:
+        """A gated DeltaNet decode step from the input projection ``proj`` [N, P] to the gated, normed output
+        [N, nv dv], the conv and recurrent states of ``rows`` updated in place (`deltanet`)."""
+        return launch_deltanet_decode(proj, conv_pool, conv_w, rec_pool, a_log, dt_bias, norm_w, rows, positions,
+                                      n_k_heads, eps)
+
     @triton_op("onecopy::dequantize", mutates_args=())
     def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, layout: int, group: int,
                    dtype: torch.dtype) -> torch.Tensor:
@@ -266,6 +276,14 @@ def paged_prefill_attention_q8(q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
                                positions: torch.Tensor) -> torch.Tensor:
     """See the op: `paged_prefill_attention` over an 8-bit cache with its scale pools (CUDA only)."""
     return torch.ops.onecopy.paged_prefill_attention_q8(q, k_pool, v_pool, k_scale, v_scale, table, rows, positions)
+
+
+def deltanet_decode(proj: torch.Tensor, conv_pool: torch.Tensor, conv_w: torch.Tensor, rec_pool: torch.Tensor,
+                    a_log: torch.Tensor, dt_bias: torch.Tensor, norm_w: torch.Tensor, rows: torch.Tensor,
+                    positions: torch.Tensor, n_k_heads: int, eps: float) -> torch.Tensor:
+    """See the op: Qwen3.5's gated DeltaNet decode step in one kernel, proj [N, P] -> [N, nv dv] (CUDA only)."""
+    return torch.ops.onecopy.deltanet_decode(proj, conv_pool, conv_w, rec_pool, a_log, dt_bias, norm_w, rows,
+                                             positions, n_k_heads, eps)
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, layout: int, group: int,

@@ -10,7 +10,8 @@ tokens starting from its row. T is dynamic in export, so the chunking is a fixed
 padded with tokens that leave the state untouched (zero key, beta and log decay); the within-chunk
 work (UT transform, one batched triangular solve) is batched over the chunks, only the state
 hand-over between chunks is a loop. A call starting at position 0 starts from a zero state whatever
-the row holds. The math follows transformers' ``modeling_qwen3_5``.
+the row holds. The math follows transformers' ``modeling_qwen3_5``. On CUDA the decode step between the input
+and output projections is one Triton kernel (`kernels.deltanet`), the same math.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from . import layers
 from .attention import Step
 from .qwen3_5_config import Qwen35Config
@@ -93,6 +95,11 @@ class GatedDeltaNet(nn.Module):
                 n_chunks: int) -> torch.Tensor:
         """x: [N, T, dim] (decode: N sessions, T = 1; prefill: N = 1)."""
         n, t, _ = x.shape
+        if step.decode and x.is_cuda and kernels.available():  # the whole step between the projections: one kernel
+            out = kernels.deltanet_decode(self.in_proj(x)[:, 0], conv_pool, self.conv1d.weight, rec_pool, self.A_log,
+                                          self.dt_bias, self.norm.weight, step.rows, step.input_pos, self.nk,
+                                          self.norm.eps)
+            return self.out_proj(out[:, None])
         mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.nv, self.nv], dim=-1)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [N, T, nv] fp32
