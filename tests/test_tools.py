@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from onecopy.serve.tools import (Arguments, CallEnd, CallFailed, CallParser, CallStart, Text, Tool, ToolSet,
-                                 call_schema, parse_reply, render)
+                                 call_schema, parse_reply, render, xml_value)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "A city's weather.",
@@ -68,14 +68,14 @@ REPLY = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"cit
 
 
 def _streamed(text: str, size: int, eager: bool) -> tuple[CallParser, list]:
-    parser = CallParser(NAMES, eager)
+    parser = CallParser(NAMES, eager, params=SCHEMAS)
     return parser, [e for i in range(0, len(text), size) for e in parser.push(text[i:i + size])] + parser.flush()
 
 
 def _agrees(text: str) -> tuple[str | None, list[tuple[str, dict]]]:
     """The whole reply's content and calls, checked to be what a stream of it gives in pieces of any size, calls
     announced eagerly or once settled (the content being its text events and the text of failed calls)."""
-    whole = parse_reply(text, NAMES)
+    whole = parse_reply(text, NAMES, SCHEMAS)
     calls = [(c.name, c.arguments) for c in whole.calls]
     for eager in (True, False):
         for size in (1, 2, 3, 7, len(text) or 1):
@@ -106,6 +106,41 @@ def test_parser_splits_text_and_calls_whatever_the_pieces():
         assert sum(isinstance(e, CallEnd) for e in events) == 2
     assert parse_reply("no calls, a < b and <tool", NAMES).content == "no calls, a < b and <tool"
     assert parse_reply("  spaced  ", NAMES).content == "  spaced  "  # text without calls: exactly as generated
+
+
+def _xml_block(name: str, *params: tuple[str, str], stray: str = "") -> str:
+    """A call in the XML form of Qwen3.5's chat template."""
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params)
+    return f"<tool_call>\n<function={name}>\n{stray}{body}</function>\n</tool_call>"
+
+
+def test_parser_reads_xml_form_calls_with_values_typed_by_their_schemas():
+    """Qwen3.5's template has its model write calls as <function=...> / <parameter=...> blocks: read like the JSON
+    form, whole pieces or streamed, each value typed by the tool's schema (a string as written, newlines inside
+    kept); a block with text between its parameters, or of an unknown tool, stays text."""
+    stray = _xml_block("add", ("a", "1"), stray="stray words\n")
+    unknown = _xml_block("nope")
+    reply = ("Checking.\n" + _xml_block("get_weather", ("city", "New\nYork "), ("unit", "celsius")) + "\n"
+             + _xml_block("add", ("a", "2"), ("b", "-40")) + "\n" + stray + unknown)
+    content, calls = _agrees(reply)
+    assert calls == [("get_weather", {"city": "New\nYork ", "unit": "celsius"}), ("add", {"a": 2, "b": -40})]
+    assert content == "Checking.\n" + stray + unknown
+    assert parse_reply(_xml_block("add", ("a", "2"), ("b", "x")), NAMES, SCHEMAS).calls[0].arguments == \
+        '{"a": 2, "b": "x"}'  # not an integer: the text, for the caller's own check (as a JSON call's would be)
+
+
+def test_xml_values_take_their_schema_types():
+    cases = [("42", {"type": "integer"}, 42), ("4.5", {"type": "integer"}, "4.5"), ("4.5", {"type": "number"}, 4.5),
+             ("-3", {"type": "number"}, -3), ("True", {"type": "boolean"}, True), ("maybe", {"type": "boolean"}, "maybe"),
+             ('{"a": [1, 2]}', {"type": "object"}, {"a": [1, 2]}), ("{'a': 1}", {"type": "object"}, {"a": 1}),
+             ("[1, 2]", {"type": "array"}, [1, 2]), ("null", {"type": "integer"}, None), ("null", {"type": "string"}, "null"),
+             ("7", None, "7"), ("7", {}, "7"), ("a", {"enum": ["a", "b"]}, "a"), ("2", {"enum": [1, 2]}, 2),
+             ("null", {"type": ["integer", "null"]}, None), ("3", {"type": ["integer", "null"]}, 3),
+             ("x", {"type": ["integer", "string"]}, "x"), (" 3 ", {"type": ["integer", "string"]}, 3),
+             ("{not json", {"type": "object"}, "{not json")]
+    for text, schema, want in cases:
+        got = xml_value(text, schema)
+        assert got == want and type(got) is type(want), (text, schema, got)
 
 
 CALL = '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>'

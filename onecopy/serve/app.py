@@ -75,7 +75,8 @@ class _Generation:
         if tools is not None and tools.active:
             # a constrained reply's calls stream their arguments as generated (the grammar keeps them valid); a
             # free reply's come whole once their block is settled
-            self.calls = CallParser(tools.names(), eager=self.req.params.grammar is not None)
+            self.calls = CallParser(tools.names(), eager=self.req.params.grammar is not None,
+                                    params=tools.parameters())
 
     def finish_reason(self, called: bool | None = None) -> str:
         """OpenAI's reason for a reply that ended well (a failed one is `failure`'s): "tool_calls" when it ended
@@ -233,7 +234,7 @@ class _Generation:
             message: dict[str, Any] = {"role": "assistant", "content": content}
             called = False
             if self.calls is not None:
-                parsed = parse_reply(content, self.calls.names)
+                parsed = parse_reply(content, self.calls.names, self.calls.params)
                 message["content"] = parsed.content
                 if parsed.calls:
                     message["tool_calls"] = [c.item() for c in parsed.calls]

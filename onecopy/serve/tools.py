@@ -1,7 +1,9 @@
 """Tools (function calling): a request's tools and tool_choice checked, rendered into the prompt, the grammar of a
 forced call, and the calls parsed out of the reply as it streams.
 
-Calls are written the Hermes / Qwen way: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``. A chat
+Calls are written the Hermes / Qwen way: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``; a reply's
+calls are also read in the XML form of Qwen3.5's and Qwen3-Coder's templates (``<tool_call>\\n<function=NAME>\\n
+<parameter=KEY>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>``, each value typed by the tool's schema). A chat
 template that reads a ``tools`` variable renders the tools and the history's calls itself; for one that does not
 (SmolLM2's) onecopy puts the tools in the system prompt, with the instruction to answer a call in that form, and
 renders the history's calls as those blocks and tool results as ``<tool_response>`` blocks in a user turn.
@@ -9,6 +11,7 @@ renders the history's calls as those blocks and tool results as ``<tool_response
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -67,6 +70,10 @@ class ToolSet:
 
     def names(self) -> set[str]:
         return {t.name for t in self.tools}
+
+    def parameters(self) -> dict[str, dict[str, Any]]:
+        """Each tool's JSON schema of its arguments, by name (what types an XML-form call's values)."""
+        return {t.name: t.parameters for t in self.tools}
 
 
 def _json_arg(schema: dict[str, Any]) -> str:
@@ -397,6 +404,7 @@ class CallParser:
 
     names: set[str]
     eager: bool = True
+    params: dict[str, dict[str, Any]] = field(default_factory=dict)  # a tool's argument schema (XML-form values)
     calls: list[Call] = field(default_factory=list)  # the calls announced, in order (their index), failed ones too
     _state: str = "text"  # text | head (after OPEN) | args | tail (after the arguments) | raw (read whole)
     _buf: str = ""
@@ -578,7 +586,9 @@ class CallParser:
         try:
             obj = json.loads(inner)
         except json.JSONDecodeError:
-            return None
+            xml = read_xml_call(inner, self.names, self.params)
+            return None if xml is None else Call(new_call_id(), xml[0], json.dumps(xml[1], ensure_ascii=False),
+                                                 OPEN + inner + CLOSE)
         if not isinstance(obj, dict) or obj.get("name") not in self.names:
             return None
         args = obj.get("arguments", obj.get("parameters", {}))
@@ -592,6 +602,63 @@ class CallParser:
         return Call(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False), OPEN + inner + CLOSE)
 
 
+# Qwen3.5's / Qwen3-Coder's call: <function=NAME> then <parameter=KEY>VALUE</parameter> blocks, the values raw text
+_XML_CALL = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.S)
+_XML_PARAM = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+
+
+def read_xml_call(inner: str, names: set[str], params: dict[str, dict[str, Any]]) -> tuple[str, dict[str, Any]] | None:
+    """(name, arguments) of a block that is one XML-form call of a tool in ``names`` (nothing but parameters in its
+    function), each value typed by that tool's argument schema in ``params`` (`xml_value`); else None."""
+    m = _XML_CALL.fullmatch(inner)
+    if m is None or m.group(1).strip() not in names:
+        return None
+    name, body = m.group(1).strip(), m.group(2)
+    props = params.get(name, {}).get("properties", {})
+    args: dict[str, Any] = {}
+    end = 0
+    for p in _XML_PARAM.finditer(body):
+        if body[end:p.start()].strip():
+            return None  # text between the parameters: not a call
+        key, value = p.group(1).strip(), p.group(2)
+        value = value[1:] if value.startswith("\n") else value  # the template's newlines around a value
+        value = value[:-1] if value.endswith("\n") else value
+        args[key] = xml_value(value, props.get(key) if isinstance(props, dict) else None)
+        end = p.end()
+    return (name, args) if not body[end:].strip() else None
+
+
+def xml_value(text: str, schema: Any) -> Any:
+    """An XML-form parameter's value as its schema types it: a string as written (also without a schema, or when the
+    text is no value of the type), an integer / number / boolean / null from its literal, an object or array (or a
+    schema of another kind) from JSON or, as models also write them, a Python literal."""
+    kinds = schema.get("type") if isinstance(schema, dict) else "string"
+    kinds = [k for k in (kinds if isinstance(kinds, list) else [kinds]) if k != "null"] or ["null"]
+    kind = kinds[0] if len(kinds) == 1 else None  # None: several types (or none named): whichever the text is
+    if kind == "string" or (kind is None and isinstance(schema, dict) and not schema):
+        return text
+    word = text.strip()
+    if word.lower() == "null":
+        return None
+    if kind == "boolean":
+        return {"true": True, "false": False}.get(word.lower(), text)
+    if kind in ("integer", "number"):
+        try:
+            number = json.loads(word)
+        except json.JSONDecodeError:
+            return text
+        ok = isinstance(number, int) if kind == "integer" else isinstance(number, (int, float))
+        return number if ok and not isinstance(number, bool) else text
+    try:
+        return json.loads(word)
+    except json.JSONDecodeError:
+        pass
+    try:
+        return ast.literal_eval(word)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return text
+
+
 @dataclass
 class ParsedReply:
     """A whole reply: its text outside calls (None if empty; blocks that are no call included, as generated) and its
@@ -601,10 +668,10 @@ class ParsedReply:
     calls: list[Call]
 
 
-def parse_reply(text: str, names: set[str]) -> ParsedReply:
+def parse_reply(text: str, names: set[str], params: dict[str, dict[str, Any]] | None = None) -> ParsedReply:
     """``text`` split into content and calls, as `CallParser` streams them (either way of announcing calls gives
     the same content and calls)."""
-    parser = CallParser(names)
+    parser = CallParser(names, params=params or {})
     events = parser.push(text) + parser.flush()
     content = "".join(e.text for e in events if isinstance(e, (Text, CallFailed)))
     return ParsedReply(content or None, [c for c in parser.calls if c.complete])
