@@ -67,19 +67,19 @@ REPLY = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"cit
          '<tool_call>not json</tool_call>\n<tool_call>{"name": "nope", "arguments": {}}</tool_call>')
 
 
-def _streamed(text: str, size: int, eager: bool) -> tuple[CallParser, list]:
-    parser = CallParser(NAMES, eager, params=SCHEMAS)
+def _streamed(text: str, size: int, eager: bool, bare: bool = False) -> tuple[CallParser, list]:
+    parser = CallParser(NAMES, eager, params=SCHEMAS, bare=bare)
     return parser, [e for i in range(0, len(text), size) for e in parser.push(text[i:i + size])] + parser.flush()
 
 
-def _agrees(text: str) -> tuple[str | None, list[tuple[str, dict]]]:
+def _agrees(text: str, bare: bool = False) -> tuple[str | None, list[tuple[str, dict]]]:
     """The whole reply's content and calls, checked to be what a stream of it gives in pieces of any size, calls
     announced eagerly or once settled (the content being its text events and the text of failed calls)."""
-    whole = parse_reply(text, NAMES, SCHEMAS)
+    whole = parse_reply(text, NAMES, SCHEMAS, bare)
     calls = [(c.name, c.arguments) for c in whole.calls]
     for eager in (True, False):
         for size in (1, 2, 3, 7, len(text) or 1):
-            parser, events = _streamed(text, size, eager)
+            parser, events = _streamed(text, size, eager, bare)
             content = "".join(e.text for e in events if isinstance(e, (Text, CallFailed)))
             assert (content or None) == whole.content, (eager, size, content)
             assert [(c.name, c.arguments) for c in parser.calls if c.complete] == calls, (eager, size)
@@ -127,6 +127,26 @@ def test_parser_reads_xml_form_calls_with_values_typed_by_their_schemas():
     assert content == "Checking.\n" + stray + unknown
     assert parse_reply(_xml_block("add", ("a", "2"), ("b", "x")), NAMES, SCHEMAS).calls[0].arguments == \
         '{"a": 2, "b": "x"}'  # not an integer: the text, for the caller's own check (as a JSON call's would be)
+
+
+def test_parser_reads_a_reply_of_bare_json_calls_in_free_generation():
+    """Llama 3.1's templates have its model answer a call as the whole reply: JSON objects {"name", "parameters"}
+    (after <|python_tag|>, separated by ";"). A free reply that is nothing else is those calls, settled at its end,
+    whatever the pieces; one with anything else (other text, other keys, an unknown tool) is text as generated; a
+    reply that does not start as JSON streams as before, and without ``bare`` (a constrained turn) nothing changes."""
+    two = ('<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "get_weather", "arguments": '
+           '"{\\"city\\": \\"Paris\\", \\"unit\\": \\"celsius\\"}"}')
+    assert _agrees(two, bare=True) == (None, [("add", {"a": 1, "b": 2}),
+                                             ("get_weather", {"city": "Paris", "unit": "celsius"})])
+    assert _agrees(' \n{"name": "add", "parameters": {"a": 3}}\n', bare=True) == (None, [("add", {"a": 3})])
+    for text in ('{"name": "nope", "parameters": {}}', '{"answer": 42}', '{"name": "add", "parameters": {"a": 1}} ok',
+                 '{"name": "add", "parameters": {"a": 1}, "id": 7}', "Sure: " + two, "<|python_tag|>print(1)", "<|py",
+                 "  "):
+        assert _agrees(text, bare=True) == (text or None, []), text
+        assert _agrees(text) == (text or None, []), text
+    assert _agrees(two) == (two, [])
+    parser, events = _streamed("<tool_call>" + REPLY.split("<tool_call>", 1)[1], 4, eager=False, bare=True)
+    assert [c.name for c in parser.calls if c.complete] == ["get_weather", "add"]  # a block first: as before
 
 
 def test_xml_values_take_their_schema_types():

@@ -74,9 +74,10 @@ class _Generation:
         tools = self.req.tools
         if tools is not None and tools.active:
             # a constrained reply's calls stream their arguments as generated (the grammar keeps them valid); a
-            # free reply's come whole once their block is settled
-            self.calls = CallParser(tools.names(), eager=self.req.params.grammar is not None,
-                                    params=tools.parameters())
+            # free reply's come whole once their block is settled, and a free reply of bare JSON calls (Llama 3.1's
+            # form) is read at its end
+            free = self.req.params.grammar is None
+            self.calls = CallParser(tools.names(), eager=not free, params=tools.parameters(), bare=free)
 
     def finish_reason(self, called: bool | None = None) -> str:
         """OpenAI's reason for a reply that ended well (a failed one is `failure`'s): "tool_calls" when it ended
@@ -234,7 +235,7 @@ class _Generation:
             message: dict[str, Any] = {"role": "assistant", "content": content}
             called = False
             if self.calls is not None:
-                parsed = parse_reply(content, self.calls.names, self.calls.params)
+                parsed = parse_reply(content, self.calls.names, self.calls.params, self.calls.bare)
                 message["content"] = parsed.content
                 if parsed.calls:
                     message["tool_calls"] = [c.item() for c in parsed.calls]

@@ -3,7 +3,8 @@ forced call, and the calls parsed out of the reply as it streams.
 
 Calls are written the Hermes / Qwen way: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``; a reply's
 calls are also read in the XML form of Qwen3.5's and Qwen3-Coder's templates (``<tool_call>\\n<function=NAME>\\n
-<parameter=KEY>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>``, each value typed by the tool's schema). A chat
+<parameter=KEY>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>``, each value typed by the tool's schema), and a
+free reply that is only JSON calls in Llama 3.1's form (``<|python_tag|>{"name": ..., "parameters": {...}}``). A chat
 template that reads a ``tools`` variable renders the tools and the history's calls itself; for one that does not
 (SmolLM2's) onecopy puts the tools in the system prompt, with the instruction to answer a call in that form, and
 renders the history's calls as those blocks and tool results as ``<tool_response>`` blocks in a user turn.
@@ -22,6 +23,7 @@ from ..grammar import Grammar, GrammarError
 from .errors import bad_request, unsupported
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's marker before a call (its templates' bare JSON calls)
 CHOICES = ("auto", "none", "required")
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 # The start of a call up to its arguments object: its name is known before the arguments stream
@@ -405,12 +407,14 @@ class CallParser:
     names: set[str]
     eager: bool = True
     params: dict[str, dict[str, Any]] = field(default_factory=dict)  # a tool's argument schema (XML-form values)
+    bare: bool = False  # a reply that is only JSON calls (Llama 3.1's form) is read as calls (free generation)
     calls: list[Call] = field(default_factory=list)  # the calls announced, in order (their index), failed ones too
     _state: str = "text"  # text | head (after OPEN) | args | tail (after the arguments) | raw (read whole)
     _buf: str = ""
     _ws: str = ""  # trailing whitespace of the text, held until more text follows
     _block_ws: str = ""  # the whitespace before the open block, held until it is settled
     _after_call: bool = False  # the last thing settled was a call: the text that follows is stripped
+    _lead: bool = True  # nothing but whitespace read yet (where a bare reply would start)
     _said: bool = False  # some text was emitted
     _called: bool = False  # some call completed
     _call: Call | None = None  # the call being read (args, tail)
@@ -434,6 +438,12 @@ class CallParser:
         out: list[Event] = []
         if self._state == "text":
             self._emit(out, self._buf, final=True)
+        elif self._state == "bare":
+            calls = read_bare_calls(self._buf, self.names)
+            for call in calls or ():
+                self._complete(out, call, announced=False)
+            if not calls:
+                self._emit(out, self._buf, final=True)
         elif self._state in ("head", "raw"):
             self._block_text(out, OPEN + self._buf, final=True)
         else:  # inside a call
@@ -461,6 +471,14 @@ class CallParser:
             out.append(Text(text))
 
     def _text(self, out: list[Event]) -> None:
+        if self._lead and self.bare:  # a reply that starts as JSON (or the tag) is held to its end: calls or text
+            lead = self._buf.lstrip()
+            if lead.startswith(("{", PYTHON_TAG)):
+                self._state = "bare"
+                return
+            if not lead or PYTHON_TAG.startswith(lead):
+                return
+        self._lead = self._lead and not self._buf.strip()
         i = self._buf.find(OPEN)
         if i >= 0:
             self._emit(out, self._buf[:i])
@@ -571,6 +589,9 @@ class CallParser:
         else:
             out += text
 
+    def _bare(self, out: list[Event]) -> None:
+        """A reply that may be bare JSON calls: held whole (settled by `flush`)."""
+
     def _raw(self, out: list[Event]) -> None:
         j = self._buf.find(CLOSE)
         if j < 0:
@@ -600,6 +621,29 @@ class CallParser:
         if not isinstance(args, dict):
             return None
         return Call(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False), OPEN + inner + CLOSE)
+
+
+def read_bare_calls(text: str, names: set[str]) -> list[Call] | None:
+    """The calls of a reply that is nothing but calls in Llama 3.1's form: after an optional ``<|python_tag|>``, JSON
+    objects ``{"name": <a tool>, "parameters" (or "arguments"): {...}}``, separated by whitespace or ``;``; else None."""
+    rest, calls, decoder = text.strip().removeprefix(PYTHON_TAG), [], json.JSONDecoder()
+    while rest.strip():
+        rest = rest.strip()
+        try:
+            obj, end = decoder.raw_decode(rest)
+        except json.JSONDecodeError:
+            return None
+        args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
+        if isinstance(args, str):  # some models write the arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                return None
+        if not isinstance(args, dict) or obj.get("name") not in names or set(obj) - {"name", "parameters", "arguments"}:
+            return None
+        calls.append(Call(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False), rest[:end]))
+        rest = rest[end:].lstrip().removeprefix(";")
+    return calls or None
 
 
 # Qwen3.5's / Qwen3-Coder's call: <function=NAME> then <parameter=KEY>VALUE</parameter> blocks, the values raw text
@@ -668,10 +712,11 @@ class ParsedReply:
     calls: list[Call]
 
 
-def parse_reply(text: str, names: set[str], params: dict[str, dict[str, Any]] | None = None) -> ParsedReply:
+def parse_reply(text: str, names: set[str], params: dict[str, dict[str, Any]] | None = None,
+                bare: bool = False) -> ParsedReply:
     """``text`` split into content and calls, as `CallParser` streams them (either way of announcing calls gives
     the same content and calls)."""
-    parser = CallParser(names, params=params or {})
+    parser = CallParser(names, params=params or {}, bare=bare)
     events = parser.push(text) + parser.flush()
     content = "".join(e.text for e in events if isinstance(e, (Text, CallFailed)))
     return ParsedReply(content or None, [c for c in parser.calls if c.complete])
