@@ -157,7 +157,7 @@ def test_xml_values_take_their_schema_types():
              ("7", None, "7"), ("7", {}, "7"), ("a", {"enum": ["a", "b"]}, "a"), ("2", {"enum": [1, 2]}, 2),
              ("null", {"type": ["integer", "null"]}, None), ("3", {"type": ["integer", "null"]}, 3),
              ("x", {"type": ["integer", "string"]}, "x"), (" 3 ", {"type": ["integer", "string"]}, 3),
-             ("{not json", {"type": "object"}, "{not json")]
+             ("{not json", {"type": "object"}, "{not json"), ("NaN", {"type": "number"}, "NaN")]
     for text, schema, want in cases:
         got = xml_value(text, schema)
         assert got == want and type(got) is type(want), (text, schema, got)

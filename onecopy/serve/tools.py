@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -409,7 +410,8 @@ class CallParser:
     params: dict[str, dict[str, Any]] = field(default_factory=dict)  # a tool's argument schema (XML-form values)
     bare: bool = False  # a reply that is only JSON calls (Llama 3.1's form) is read as calls (free generation)
     calls: list[Call] = field(default_factory=list)  # the calls announced, in order (their index), failed ones too
-    _state: str = "text"  # text | head (after OPEN) | args | tail (after the arguments) | raw (read whole)
+    # text | head (after OPEN) | args | tail (after the arguments) | raw (read whole) | bare (a reply of JSON calls)
+    _state: str = "text"
     _buf: str = ""
     _ws: str = ""  # trailing whitespace of the text, held until more text follows
     _block_ws: str = ""  # the whitespace before the open block, held until it is settled
@@ -692,7 +694,7 @@ def xml_value(text: str, schema: Any) -> Any:
         except json.JSONDecodeError:
             return text
         ok = isinstance(number, int) if kind == "integer" else isinstance(number, (int, float))
-        return number if ok and not isinstance(number, bool) else text
+        return number if ok and not isinstance(number, bool) and math.isfinite(number) else text  # no NaN: not JSON
     try:
         return json.loads(word)
     except json.JSONDecodeError:
