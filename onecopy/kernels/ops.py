@@ -17,6 +17,7 @@ import torch
 
 from .decode import launch_decode, launch_decode_paged
 from .deltanet import launch_deltanet_decode
+from .moe import launch_moe_routed
 from .dequant import launch_dequantize
 from .linear import Norm, PackedArgs, launch_linear
 from .prefill import launch_prefill, launch_prefill_paged
@@ -172,6 +173,12 @@ def _define_ops() -> None:
         return launch_deltanet_decode(proj, conv_pool, conv_w, rec_pool, a_log, dt_bias, norm_w, rows, positions,
                                       n_k_heads, eps)
 
+    @triton_op("onecopy::moe_routed", mutates_args=())
+    def moe_routed(x: torch.Tensor, idx: torch.Tensor, top: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor) -> torch.Tensor:
+        """A decode step's routed experts grouped by expert (`moe`): x [N, D], idx / top [N, k] -> [N, D]."""
+        return launch_moe_routed(x, idx, top, gate_up, down)
+
     @triton_op("onecopy::dequantize", mutates_args=())
     def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, layout: int, group: int,
                    dtype: torch.dtype) -> torch.Tensor:
@@ -284,6 +291,12 @@ def deltanet_decode(proj: torch.Tensor, conv_pool: torch.Tensor, conv_w: torch.T
     """See the op: Qwen3.5's gated DeltaNet decode step in one kernel, proj [N, P] -> [N, nv dv] (CUDA only)."""
     return torch.ops.onecopy.deltanet_decode(proj, conv_pool, conv_w, rec_pool, a_log, dt_bias, norm_w, rows,
                                              positions, n_k_heads, eps)
+
+
+def moe_routed(x: torch.Tensor, idx: torch.Tensor, top: torch.Tensor, gate_up: torch.Tensor,
+               down: torch.Tensor) -> torch.Tensor:
+    """See the op: a decode step's routed experts, each chosen expert's weights read once (CUDA only)."""
+    return torch.ops.onecopy.moe_routed(x, idx, top, gate_up, down)
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, layout: int, group: int,

@@ -22,6 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
+from ..kernels import moe
+from . import invariant
 from .attention import KVCache, Step, attend_pooled
 from .base import MethodDef, PooledModel, as_method, pooled_methods
 from .layers import FeedForward, apply_rope, rope_cos_sin, rope_inv_freq
@@ -89,9 +92,13 @@ class Experts(nn.Module):
         """Decode: each token through its own top-k experts only. x: [N, dim]; idx, top: [N, k].
 
         Written as gathers feeding mul + sum reductions, which Inductor fuses: the kernels read only
-        the routed experts' weights, in place (N * k experts' bytes a step, not all E).
+        the routed experts' weights, in place (N * k experts' bytes a step, not all E). With `kernels.moe.ENABLED`
+        (off until measured) float experts on CUDA take the grouped kernels instead: each chosen expert read once.
         """
         hid = self.hidden
+        if (moe.ENABLED and x.is_cuda and kernels.available() and not invariant.active()
+                and isinstance(self.gate_up_proj, torch.Tensor) and isinstance(self.down_proj, torch.Tensor)):
+            return kernels.moe_routed(x, idx, top, self.gate_up_proj, self.down_proj)  # each chosen expert read once
         gu = (expert_rows(self.gate_up_proj, idx, x.dtype) * x[:, None, None, :]).sum(-1)  # [N, k, 2I]
         gate, up = gu.split([hid, hid], dim=-1)
         act = F.silu(gate) * up  # [N, k, I]
