@@ -23,6 +23,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from gemv_cuda import graph_ms  # noqa: E402
 
 from onecopy import kernels  # noqa: E402
 from onecopy.models import qwen3_5_deltanet  # noqa: E402
@@ -40,28 +43,11 @@ def step_us(m: qwen3_5_deltanet.GatedDeltaNet, n: int, fused: bool) -> float:
     proj = m.in_proj(x)
     out_proj, in_proj = m.out_proj, m.in_proj
     m.out_proj = m.in_proj = torch.nn.Identity()  # the projections are not what is timed
-
-    def run():
-        return m(proj, step, conv, rec, 1)
-
     try:
         with mock.patch.object(kernels, "available", return_value=fused), torch.no_grad():
-            for _ in range(3):
-                run()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run()
-            graph.replay()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(50):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
+            return 1000 * graph_ms([lambda: m(proj, step, conv, rec, 1)], reps=50)
     finally:
         m.out_proj, m.in_proj = out_proj, in_proj
-    return 1000 * start.elapsed_time(end) / 50
 
 
 def main() -> None:

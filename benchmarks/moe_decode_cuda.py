@@ -21,30 +21,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from gemv_cuda import graph_ms  # noqa: E402
 
 from onecopy.kernels.moe import launch_moe_routed  # noqa: E402
 from onecopy.models.qwen3_5 import Experts  # noqa: E402
 
 E, D, INTER, K = 256, 2048, 512, 8
-
-
-def graph_us(calls) -> float:
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1000 * start.elapsed_time(end) / 10 / len(calls)
 
 
 def main() -> None:
@@ -70,9 +54,9 @@ def main() -> None:
             top = torch.softmax(torch.randn(n, K, device="cuda"), -1).to(torch.bfloat16)
             distinct = int(idx.unique().numel())
             row = {"sessions": n, "distinct_experts": distinct, "expert_MB": round(distinct * expert_bytes / 1e6, 1)}
-            kernel = graph_us([lambda ex=ex: launch_moe_routed(x, idx, top, ex.gate_up_proj, ex.down_proj)
-                               for ex in layers])
-            inductor = graph_us([lambda f=f: f(x, idx, top) for f in compiled])
+            kernel = 1000 * graph_ms([lambda ex=ex: launch_moe_routed(x, idx, top, ex.gate_up_proj, ex.down_proj)
+                                      for ex in layers])
+            inductor = 1000 * graph_ms([lambda f=f: f(x, idx, top) for f in compiled])
             for name, us in (("kernel", kernel), ("inductor", inductor)):
                 row[f"{name}_us"] = round(us, 2)
                 row[f"{name}_GBps"] = round(distinct * expert_bytes / us / 1e3, 1)
