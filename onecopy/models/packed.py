@@ -7,8 +7,9 @@ checks a manifest with it without importing this one); the GGUF repack, `gguf_re
 export-time quantizer, `quantize`, both produce them. One layout quantizes the activations too: ``f8r`` holds
 float8 e4m3 values with one float32 scale per output feature (its group is the whole row, K), and
 its layers multiply on the FP8 tensor cores (`fp8_linear`): each row of x is scaled into e4m3 on the
-fly, so at a wide batch the GEMM runs at twice the bf16 rate (Hopper, Ada); in a CUDA decode step up to 8 rows
-take the native packed GEMV instead (bf16 rows, the weight's exact values: no quantization). A layer that holds one
+fly, so at a wide batch the GEMM runs at twice the bf16 rate (Hopper, Ada); in a CUDA decode step up to 16 rows
+(8 for weights of more than 8192 outputs: `kernels.native.fp8_gemv_rows`) take the native packed GEMV instead
+(bf16 rows, the weight's exact values: no quantization). A layer that holds one
 (`PackedLayer`: `linear.PackedLinear`, `PackedEmbedding`) keeps the tensors as buffers, so that export
 lifts them as constants under FQNs of their own (``<module>.qweight``, ``.scales``, ``.mins``) and the
 weight store holds them at their packed size.
@@ -134,7 +135,7 @@ def fp8_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None) -> 
     (`quantize_rows`), one ``torch._scaled_mm`` with the row and feature scales, in x's dtype. Each output
     row depends on its input row alone in exact arithmetic, but the GEMM's kernel (its tiles) is cuBLAS's
     or CUTLASS's choice per batch size: not batch-invariant bit for bit.
-    On CUDA with the native kernels (`kernels.native.fp8_serves`) one op: up to 8 bf16 rows the packed GEMV,
+    On CUDA with the native kernels (`kernels.native.fp8_serves`) one op: up to `fp8_gemv_rows` bf16 rows the packed GEMV,
     which multiplies the rows as they are (no quantization) by the exact bf16 of each e4m3 value and applies
     the feature's scale to the sums (cuBLAS's GEMM at one row was slower than bf16, and an FP8-rows GEMV slower
     than this one), more rows this same quantization and ``_scaled_mm``."""

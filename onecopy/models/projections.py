@@ -10,8 +10,8 @@ the exported method evaluates on the host: each batch size's CUDA graph holds on
 A batch-invariant decode (traced under `invariant.BatchInvariant`) takes none of this: its linears
 are `invariant.linear_rows`, its norms apart. A packed (quantized) weight (`packed`) takes the kernel
 for any number of rows (`kernel_rows`); so does an FP8 one (``f8r``) where the native op takes it
-(`fp8_folds`: its GEMV on bf16 rows up to 8, the rows quantized for the FP8 GEMM between a norm kernel and a
-fold kernel past that), else `packed.fp8_linear` for any number of rows, its norms apart.
+(`fp8_folds`: its GEMV on bf16 rows up to `native.fp8_gemv_rows`, the rows quantized for the FP8 GEMM between a
+norm kernel and a fold kernel past that), else `packed.fp8_linear` for any number of rows, its norms apart.
 """
 
 from __future__ import annotations

@@ -683,7 +683,7 @@ __global__ void __launch_bounds__(T) glu_quantize_rows_kernel(QuantizeRowsParams
   quantize_row<T>(a, p, wmax, [&](int i) { return products[i / 8]; });  // its barrier: every product is stored
 }
 
-// The SwiGLU rows alone, in x's dtype (the FP8 GEMV's input, up to 8 rows): 8 values a thread, a row over
+// The SwiGLU rows alone, in x's dtype (the FP8 GEMV's input, up to fp8_gemv_rows): 8 values a thread, a row over
 // blockIdx.y's CTAs (one CTA a row read 14336-value rows at 1 and 64 rows slower than Inductor's kernel).
 __global__ void __launch_bounds__(kThreads) glu_rows_kernel(QuantizeRowsParams p) {
   const int i = (blockIdx.y * kThreads + threadIdx.x) * 8;
