@@ -38,7 +38,7 @@ KERNEL_MAX_ROWS = 32  # kKernelMaxRows: the packed-projection op's GEMV rows (mo
 # kFp8MaxRows: the GEMV's rows for FP8 weights of at most FP8_NARROW_N outputs (8 for wider ones); the ops run
 # cuBLAS's FP8 GEMM for more (`fp8_gemv_rows`)
 FP8_MAX_ROWS = int(DEFINES.get("ONECOPY_FP8_MAX_ROWS", 16))
-FP8_NARROW_N = 8192
+FP8_WIDE_MAX_ROWS, FP8_NARROW_N = 8, 8192  # kFp8WideMaxRows, kFp8NarrowN
 # Whether traced or eager projections may call these kernels (the KV decode has its own switch, the model's
 # ``native_kernels``): the export sets it for the methods it traces (``native_kernels=False`` keeps Triton and
 # cuBLAS, the comparison). Per context, not per process.
@@ -76,7 +76,7 @@ def fp8_serves(x: torch.Tensor) -> bool:
 def fp8_gemv_rows(n: int) -> int:
     """Rows the FP8 GEMV takes for a weight of ``n`` outputs (packed_linear.h's fp8_gemv_rows): more rows go to
     cuBLAS's FP8 GEMM, as rows quantized to e4m3."""
-    return FP8_MAX_ROWS if n <= FP8_NARROW_N else 8
+    return FP8_MAX_ROWS if n <= FP8_NARROW_N else FP8_WIDE_MAX_ROWS
 
 
 def packed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,

@@ -40,7 +40,7 @@ struct PackedLinearParams {
 };
 
 // Each row of x [M, K] (bf16, or fp16 with `bf16` false; 16-byte aligned rows, K a multiple of 8) quantized to
-// e4m3 `q` [M, K] (contiguous) with its float32 scale `scales` [M], as the FP8 kernel quantizes its rows.
+// e4m3 `q` [M, K] (contiguous) with its float32 scale `scales` [M], as models/packed.py's quantize_rows does.
 // With `glu`, x [M, 2K] is a gate/up GEMM's output and the rows quantized are its SwiGLU, silu(x[:, :K]) *
 // x[:, K:] (the silu and the product each rounded to x's dtype, as the eager ops and the packed kernels' folds
 // round them); with `q` null those rows are written to `out` [M, K] in x's dtype instead (the FP8 kernel's
