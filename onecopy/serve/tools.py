@@ -612,17 +612,22 @@ class CallParser:
             xml = read_xml_call(inner, self.names, self.params)
             return None if xml is None else Call(new_call_id(), xml[0], json.dumps(xml[1], ensure_ascii=False),
                                                  OPEN + inner + CLOSE)
-        if not isinstance(obj, dict) or obj.get("name") not in self.names:
+        args = call_arguments(obj, self.names, ("arguments", "parameters"), {})
+        return None if args is None else Call(new_call_id(), obj["name"], args, OPEN + inner + CLOSE)
+
+
+def call_arguments(obj: Any, names: set[str], keys: tuple[str, str], default: Any = None) -> str | None:
+    """The arguments (compact JSON text) of a call written as a JSON object ``{"name": <a tool in names>, <keys[0]
+    or keys[1], the first present; else default>: an object, or its JSON text}``; None if ``obj`` is no such call."""
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = next((obj[k] for k in keys if k in obj), default)
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
             return None
-        args = obj.get("arguments", obj.get("parameters", {}))
-        if isinstance(args, str):  # some models write the arguments as a JSON string
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                return None
-        if not isinstance(args, dict):
-            return None
-        return Call(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False), OPEN + inner + CLOSE)
+    return json.dumps(args, ensure_ascii=False) if isinstance(args, dict) else None
 
 
 def read_bare_calls(text: str, names: set[str]) -> list[Call] | None:
@@ -635,15 +640,10 @@ def read_bare_calls(text: str, names: set[str]) -> list[Call] | None:
             obj, end = decoder.raw_decode(rest)
         except json.JSONDecodeError:
             return None
-        args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
-        if isinstance(args, str):  # some models write the arguments as a JSON string
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                return None
-        if not isinstance(args, dict) or obj.get("name") not in names or set(obj) - {"name", "parameters", "arguments"}:
+        args = call_arguments(obj, names, ("parameters", "arguments"))
+        if args is None or set(obj) - {"name", "parameters", "arguments"}:
             return None
-        calls.append(Call(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False), rest[:end]))
+        calls.append(Call(new_call_id(), obj["name"], args, rest[:end]))
         rest = rest[end:].lstrip().removeprefix(";")
     return calls or None
 
