@@ -122,6 +122,28 @@ def test_chunked_prefill_equals_prefill_at_once(q35_source):
         torch.testing.assert_close(pool, ref, atol=1e-5, rtol=0, msg=fqn)
 
 
+@pytest.mark.parametrize("t", [1, 31, 32, 33, 100])
+def test_transformers_chunking_equals_the_static_chunk_count(t):
+    """The CUDA prefill's chunking (transformers': chunks of a fixed size, their count a run-time value; the
+    recurrence between them one kernel there) and the CPU's (a static chunk count, chunks sized to the prompt) are the
+    same rule: equal in float64 to rounding, output and final state, whether T fills its last chunk or not."""
+    from onecopy.models.qwen3_5_deltanet import chunk_gated_delta_rule, chunk_terms, scan_chunks
+
+    g = torch.Generator().manual_seed(t)
+    h, dk, dv, c = 3, 16, 8, 32
+    q, k = (torch.nn.functional.normalize(torch.randn(h, t, dk, generator=g, dtype=torch.float64), dim=-1)
+            for _ in range(2))
+    v = torch.randn(h, t, dv, generator=g, dtype=torch.float64)
+    decay, beta = -torch.rand(h, t, generator=g, dtype=torch.float64), torch.rand(h, t, generator=g, dtype=torch.float64)
+    state = torch.randn(h, dk, dv, generator=g, dtype=torch.float64)
+    want_out, want_state = chunk_gated_delta_rule(q, k, v, decay, beta, state, 4)
+    n = (t + 2 * c - 1) // c  # the CUDA path's count: the chunks T needs and a spare (zero tokens: no change)
+    out, got_state = scan_chunks(*chunk_terms(q, k, v, decay, beta, n, c), state)
+    assert out.shape == (h, n, c, dv)
+    torch.testing.assert_close(out.reshape(h, -1, dv)[:, :t], want_out, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got_state, want_state, rtol=0, atol=1e-12)
+
+
 def test_position_zero_starts_over(q35_source):
     """Prefill from position 0 ignores what the row holds (as the KV cache does by position)."""
     model = _eager(q35_source)

@@ -13,7 +13,8 @@ One module per kernel family; the models call the ops through the functions re-e
   residual add after it folded in (`small_linear`), reading a packed (quantized) weight as well
   (``packed=``: `packed_linear`, each tile dequantized in the kernel);
 - `deltanet`: Qwen3.5's gated DeltaNet decode step (conv window, gates, delta rule, gated norm) in one kernel
-  (`deltanet_decode`), its source in `deltanet_triton`;
+  (`deltanet_decode`), and a prefill's chunk-to-chunk recurrence in another (`deltanet_chunk_scan`), their source
+  in `deltanet_triton`;
 - `moe`: a MoE decode step's routed experts grouped by expert, each chosen expert read once (`moe_routed`; off until
   measured: `moe.ENABLED`), its source in `moe_triton`;
 - `dequant`: a packed weight dequantized for a prefill chunk's cuBLAS GEMM (`dequantize`);
@@ -34,10 +35,10 @@ The ``launch_*`` functions run one kernel with explicit tiles, outside any op (t
 from .decode import launch_decode, launch_decode_paged
 from .dequant import launch_dequantize
 from .linear import Norm, PackedArgs, launch_linear
-from .deltanet import launch_deltanet_decode
+from .deltanet import launch_deltanet_chunk_scan, launch_deltanet_decode
 from .moe import launch_moe_routed
-from .ops import (available, decode_attention, decode_attention_rope, deltanet_decode, dequantize, moe_routed,
-                  paged_decode_attention,
+from .ops import (available, decode_attention, decode_attention_rope, deltanet_chunk_scan, deltanet_decode, dequantize,
+                  moe_routed, paged_decode_attention,
                   paged_decode_attention_q8, paged_decode_attention_rope, paged_decode_attention_rope_q8,
                   paged_prefill_attention, paged_prefill_attention_q8, prefill_attention, small_linear)
 from .prefill import launch_prefill, launch_prefill_paged
@@ -45,8 +46,9 @@ from .tiles import (BLOCK_N, INVARIANT_ROWS, PREFILL_TILES, SMALL_LINEAR_ROWS, S
                     packed_linear_tiles, prefill_tiles, small_linear_programs, small_linear_tiles)
 
 __all__ = ["BLOCK_N", "INVARIANT_ROWS", "Norm", "PREFILL_TILES", "PackedArgs", "SMALL_LINEAR_ROWS", "SMEM_BUDGET", "SPLIT_MAX",
-           "available", "decode_attention", "decode_attention_rope", "deltanet_decode", "dequantize", "launch_decode",
-           "launch_decode_paged", "launch_deltanet_decode", "launch_moe_routed", "moe_routed",
+           "available", "decode_attention", "decode_attention_rope", "deltanet_chunk_scan", "deltanet_decode", "dequantize",
+           "launch_decode",
+           "launch_decode_paged", "launch_deltanet_chunk_scan", "launch_deltanet_decode", "launch_moe_routed", "moe_routed",
            "launch_dequantize", "launch_linear", "launch_prefill", "launch_prefill_paged", "n_splits", "packed_linear_tiles",
            "paged_decode_attention", "paged_decode_attention_q8", "paged_decode_attention_rope",
            "paged_decode_attention_rope_q8", "paged_prefill_attention", "paged_prefill_attention_q8", "prefill_attention",

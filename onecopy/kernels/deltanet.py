@@ -48,5 +48,41 @@ def launch_deltanet_decode(proj: torch.Tensor, conv_pool: torch.Tensor, conv_w: 
     return out
 
 
+def launch_deltanet_chunk_scan(new_values: torch.Tensor, k_cumdecay: torch.Tensor, q_dec: torch.Tensor,
+                               k_dec: torch.Tensor, intra: torch.Tensor, chunk_decay: torch.Tensor,
+                               state: torch.Tensor, wrap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill's chunk-to-chunk recurrence (`models.qwen3_5_deltanet.scan_chunks`'s loop) in one kernel: per value
+    head H and chunk n of C positions, ``new_values`` [H, n, C, dv], ``k_cumdecay``, ``q_dec``, ``k_dec`` [H, n, C,
+    dk], ``intra`` [H, n, C, C], ``chunk_decay`` [H, n], the state before the first chunk [H, dk, dv]; all fp32.
+    Returns the output [H, n, C, dv] and the state after the last chunk. The chunk count is a run-time value, so a
+    graph holds one launch for any prompt length (the loop in torch ops is unrolled once per chunk)."""
+    from torch.library import wrap_triton
+
+    h, n, c, dv = new_values.shape
+    dk = k_cumdecay.shape[-1]
+    if (k_cumdecay.shape != (h, n, c, dk) or q_dec.shape != k_cumdecay.shape or k_dec.shape != k_cumdecay.shape
+            or intra.shape != (h, n, c, c) or chunk_decay.shape != (h, n) or state.shape != (h, dk, dv)):
+        raise ValueError(f"deltanet_chunk_scan: new_values {tuple(new_values.shape)}, k_cumdecay "
+                         f"{tuple(k_cumdecay.shape)}, intra {tuple(intra.shape)}, state {tuple(state.shape)} do not "
+                         "describe one prefill's chunks")
+    if c != _pow2(c) or dk != _pow2(dk) or dv != _pow2(dv) or min(c, dk, dv) < 16:
+        raise ValueError(f"deltanet_chunk_scan: chunk {c}, dk {dk} and dv {dv} must be powers of two of 16 or more")
+    out = new_values.new_empty(new_values.shape)  # contiguous (new_values is a view of the solve's output)
+    state_out = state.new_empty(state.shape)
+    from .deltanet_triton import deltanet_chunk_scan_kernel as kern  # here: it imports Triton
+
+    bv = min(32, dv)
+    # the next chunk's loads overlap this one's products where two chunks' fp32 tiles fit in shared memory (35B-A3B's
+    # heads: ~139 KB; Triton's default three stages would need 256 KB)
+    big = new_values.is_cuda and torch.cuda.get_device_properties(new_values.device).shared_memory_per_block_optin \
+        >= 160 * 1024
+    launch = wrap_triton(kern) if wrap else kern
+    launch[(h, dv // bv)](new_values.contiguous(), k_cumdecay.contiguous(), q_dec.contiguous(), k_dec.contiguous(),
+                          intra.contiguous(), chunk_decay.contiguous(), state.contiguous(), out, state_out, n,
+                          C=c, DK=dk, DV=dv, BV=bv, num_warps=8 if c * dk >= 64 * 128 else 4,
+                          num_stages=2 if big else 1)
+    return out, state_out
+
+
 def _pow2(x: int) -> int:
     return 1 << (x - 1).bit_length()

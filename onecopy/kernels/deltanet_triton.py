@@ -69,3 +69,26 @@ def deltanet_decode_kernel(proj, conv_pool, conv_w, rec_pool, a_log, dt_bias, no
         o = (tl.load(norm_w + cv, mask=mv, other=0.0).to(tl.float32) * o).to(DT).to(tl.float32)
         z = tl.load(x_row + C + h * DV + cv, mask=mv, other=0.0).to(tl.float32)
         tl.store(out + n * stride_o + h * DV + cv, (o * (z * tl.sigmoid(z))).to(DT), mask=mv)
+
+
+@triton.jit
+def deltanet_chunk_scan_kernel(new_values, k_cumdecay, q_dec, k_dec, intra, chunk_decay, state, out, state_out,
+                               n_chunks, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    """The state hand-over between a prefill's chunks for value head program_id(0), value columns program_id(1) * BV
+    ...: the [DK, BV] state stays in registers from the first chunk to the last (fp32 products, no TF32)."""
+    h = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, C)
+    dk = tl.arange(0, DK)
+    v = tl.program_id(1) * BV + tl.arange(0, BV)
+    s = tl.load(state + h * DK * DV + dk[:, None] * DV + v[None, :])
+    for i in tl.range(0, n_chunks):
+        chunk = h * n_chunks + i
+        rows_k = chunk * C * DK + c[:, None] * DK + dk[None, :]
+        rows_v = chunk * C * DV + c[:, None] * DV + v[None, :]
+        v_new = tl.load(new_values + rows_v) - tl.dot(tl.load(k_cumdecay + rows_k), s, input_precision="ieee")
+        o = tl.dot(tl.load(q_dec + rows_k), s, input_precision="ieee")
+        o += tl.dot(tl.load(intra + chunk * C * C + c[:, None] * C + c[None, :]), v_new, input_precision="ieee")
+        tl.store(out + rows_v, o)
+        s = s * tl.load(chunk_decay + chunk) + tl.dot(tl.trans(tl.load(k_dec + rows_k)), v_new,
+                                                       input_precision="ieee")
+    tl.store(state_out + h * DK * DV + dk[:, None] * DV + v[None, :], s)

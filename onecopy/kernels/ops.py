@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .decode import launch_decode, launch_decode_paged
-from .deltanet import launch_deltanet_decode
+from .deltanet import launch_deltanet_chunk_scan, launch_deltanet_decode
 from .moe import launch_moe_routed
 from .dequant import launch_dequantize
 from .linear import Norm, PackedArgs, launch_linear
@@ -173,6 +173,13 @@ def _define_ops() -> None:
         return launch_deltanet_decode(proj, conv_pool, conv_w, rec_pool, a_log, dt_bias, norm_w, rows, positions,
                                       n_k_heads, eps)
 
+    @triton_op("onecopy::deltanet_chunk_scan", mutates_args=())
+    def deltanet_chunk_scan(new_values: torch.Tensor, k_cumdecay: torch.Tensor, q_dec: torch.Tensor,
+                            k_dec: torch.Tensor, intra: torch.Tensor, chunk_decay: torch.Tensor,
+                            state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A DeltaNet prefill's chunk-to-chunk recurrence in one kernel: (output [H, n, C, dv], final state)."""
+        return launch_deltanet_chunk_scan(new_values, k_cumdecay, q_dec, k_dec, intra, chunk_decay, state)
+
     @triton_op("onecopy::moe_routed", mutates_args=())
     def moe_routed(x: torch.Tensor, idx: torch.Tensor, top: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor) -> torch.Tensor:
@@ -291,6 +298,13 @@ def deltanet_decode(proj: torch.Tensor, conv_pool: torch.Tensor, conv_w: torch.T
     """See the op: Qwen3.5's gated DeltaNet decode step in one kernel, proj [N, P] -> [N, nv dv] (CUDA only)."""
     return torch.ops.onecopy.deltanet_decode(proj, conv_pool, conv_w, rec_pool, a_log, dt_bias, norm_w, rows,
                                              positions, n_k_heads, eps)
+
+
+def deltanet_chunk_scan(new_values: torch.Tensor, k_cumdecay: torch.Tensor, q_dec: torch.Tensor,
+                        k_dec: torch.Tensor, intra: torch.Tensor, chunk_decay: torch.Tensor,
+                        state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """See the op: a DeltaNet prefill's state hand-over from chunk to chunk in one kernel (CUDA only)."""
+    return torch.ops.onecopy.deltanet_chunk_scan(new_values, k_cumdecay, q_dec, k_dec, intra, chunk_decay, state)
 
 
 def moe_routed(x: torch.Tensor, idx: torch.Tensor, top: torch.Tensor, gate_up: torch.Tensor,

@@ -9,9 +9,11 @@ tokens starting from its row. T is dynamic in export, so the chunking is a fixed
 (`qwen3_5.Qwen35.prefill_chunks`: a static trip count) of ``ceil(T / n) + 1`` slots each, the tail
 padded with tokens that leave the state untouched (zero key, beta and log decay); the within-chunk
 work (UT transform, one batched triangular solve) is batched over the chunks, only the state
-hand-over between chunks is a loop. A call starting at position 0 starts from a zero state whatever
-the row holds. The math follows transformers' ``modeling_qwen3_5``. On CUDA the decode step between the input
-and output projections is one Triton kernel (`kernels.deltanet`), the same math.
+hand-over between chunks is a loop. On CUDA that loop is one kernel (`kernels.deltanet_chunk_scan`) and
+the chunks are transformers' (``linear_chunk_size`` slots, their count a run-time value), so the prefill graph no
+longer grows with the chunk count. A call starting at position 0 starts from a zero state whatever the row holds.
+The math follows transformers' ``modeling_qwen3_5``. On CUDA the decode step between the input and output
+projections is one Triton kernel (`kernels.deltanet`), the same math.
 """
 
 from __future__ import annotations
@@ -46,9 +48,33 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     ``torch_chunk_gated_delta_rule`` (UT transform per chunk, state passed chunk to chunk); the
     tail padding (zero q, k, v, beta and log decay) leaves the state exactly as it is.
     """
+    t = k.shape[1]
+    c = (t + n_chunks - 1) // n_chunks + 1  # one spare slot per chunk: c >= 2 provably (export would guard on c == 1)
+    out, state = scan_chunks(*chunk_terms(q, k, v, g, beta, n_chunks, c), state)
+    # the T real positions (a slice would need t <= n * c proven symbolically)
+    return out.reshape(out.shape[0], -1, out.shape[-1]).index_select(1, torch.arange(t, device=out.device)), state
+
+
+def chunk_gated_delta_rule_scanned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                   beta: torch.Tensor, state: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunk_gated_delta_rule` in chunks of ``chunk`` slots (transformers' chunking: their count a run-time value)
+    with the chunk-to-chunk recurrence in one CUDA kernel (`kernels.deltanet_chunk_scan`): a graph holds one launch
+    a layer for any prompt length, where the loop in torch ops is unrolled once per chunk (a 40-layer model's prefill
+    graph: thousands of products, most of its export time)."""
+    t = k.shape[1]
+    # ceil(t / chunk) + 1 as one floor division: n >= 2 provably (export would guard on n == 1), and n * chunk splits
+    # back into n chunks provably (with "+ 1" outside, sympy cannot show n divides the padded length)
+    n = (t + 2 * chunk - 1) // chunk
+    out, state = kernels.deltanet_chunk_scan(*chunk_terms(q, k, v, g, beta, n, chunk), state)
+    return out.reshape(out.shape[0], -1, out.shape[-1]).index_select(1, torch.arange(t, device=out.device)), state
+
+
+def chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, n: int,
+                c: int) -> tuple[torch.Tensor, ...]:
+    """The per-chunk terms of the chunked rule (``n`` chunks of ``c`` slots, the tail zero-padded), batched over the
+    chunks: (new_values [H, n, c, dv], k_cumdecay, q_dec, k_dec [H, n, c, dk], intra [H, n, c, c], chunk_decay
+    [H, n]); what is left is the state's hand-over from chunk to chunk (`scan_chunks`)."""
     h, t, dk = k.shape
-    n = n_chunks
-    c = (t + n - 1) // n + 1  # one spare slot per chunk: c >= 2 provably (export would guard on c == 1)
     q = q * dk ** -0.5
     q, k, v = (F.pad(x, (0, 0, 0, n * c - t)).view(h, n, c, x.shape[-1]) for x in (q, k, v))
     g, beta = (F.pad(x, (0, n * c - t)).view(h, n, c) for x in (g, beta))
@@ -61,17 +87,21 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     rhs = torch.cat([v_beta, k_beta * decay.exp()[..., None]], dim=-1)  # both right-hand sides in one solve
     new_values, k_cumdecay = torch.linalg.solve_triangular(ut, rhs, upper=False, unitriangular=True).split(
         [v_beta.shape[-1], dk], dim=-1)
-    q = q * decay.exp()[..., None]
-    k = k * (decay[..., -1:] - decay).exp()[..., None]
-    chunk_decay = decay[..., -1].exp()[..., None, None]  # [H, n, 1, 1]
+    q_dec = q * decay.exp()[..., None]
+    k_dec = k * (decay[..., -1:] - decay).exp()[..., None]
+    return new_values, k_cumdecay, q_dec, k_dec, intra, decay[..., -1].exp()
+
+
+def scan_chunks(new_values: torch.Tensor, k_cumdecay: torch.Tensor, q_dec: torch.Tensor, k_dec: torch.Tensor,
+                intra: torch.Tensor, chunk_decay: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state passed from chunk to chunk (a static trip count: the chunk count): the output [H, n, c, dv] and
+    the state after the last chunk."""
     outs = []
-    for i in range(n):  # static trip count: the state hand-over between chunks
+    for i in range(new_values.shape[1]):
         v_new = new_values[:, i] - k_cumdecay[:, i] @ state
-        outs.append(q[:, i] @ state + intra[:, i] @ v_new)
-        state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
-    out = torch.stack(outs, 1).view(h, n * c, v.shape[-1])
-    # the T real positions (a slice would need t <= n * c proven symbolically)
-    return out.index_select(1, torch.arange(t, device=out.device)), state
+        outs.append(q_dec[:, i] @ state + intra[:, i] @ v_new)
+        state = state * chunk_decay[:, i, None, None] + k_dec[:, i].transpose(-1, -2) @ v_new
+    return torch.stack(outs, 1), state
 
 
 class GatedDeltaNet(nn.Module):
@@ -90,6 +120,9 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.nv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, cfg.dim, bias=False)
+        # the CUDA prefill's chunk scan kernel takes power-of-two tiles of 16 or more
+        self.chunk = cfg.linear_chunk_size
+        self.chunk_scan = all(d >= 16 and d & (d - 1) == 0 for d in (self.chunk, self.dk, self.dv))
 
     def forward(self, x: torch.Tensor, step: Step, conv_pool: torch.Tensor, rec_pool: torch.Tensor,
                 n_chunks: int) -> torch.Tensor:
@@ -129,9 +162,12 @@ class GatedDeltaNet(nn.Module):
             state = state + k[..., None] * delta[..., None, :]
             out = (state * q[..., None]).sum(-2)[:, None]  # [N, 1, nv, dv]
         else:
-            out, state = chunk_gated_delta_rule(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
-                                                g[0].transpose(0, 1), beta[0].float().transpose(0, 1), state[0],
-                                                n_chunks)
+            args = (q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), g[0].transpose(0, 1),
+                    beta[0].float().transpose(0, 1), state[0])
+            if x.is_cuda and kernels.available() and self.chunk_scan:  # the chunk recurrence in one kernel
+                out, state = chunk_gated_delta_rule_scanned(*args, self.chunk)
+            else:
+                out, state = chunk_gated_delta_rule(*args, n_chunks)
             out, state = out.transpose(0, 1)[None], state[None]
         rec_pool.index_copy_(0, step.rows, state.to(rec_pool.dtype))
         out = self.norm(out.to(x.dtype), z.reshape(n, t, self.nv, self.dv))

@@ -87,3 +87,48 @@ def test_deltanet_decode_refuses_pools_of_another_layer():
     with pytest.raises(ValueError, match="do not describe one layer of 2 key heads"):
         launch_deltanet_decode(proj, conv, m.conv1d.weight, rec, m.A_log, m.dt_bias, m.norm.weight,
                                torch.tensor([0, 1], device="cuda"), torch.tensor([0, 0], device="cuda"), m.nk, 1e-6)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("t", [1, 64, 150])
+def test_prefill_chunk_scan_kernel_matches_float64_and_the_eager_prefill(shape, t):
+    """A prefill of T tokens from a session's held state (conv window and recurrent state) on CUDA, where the chunk
+    recurrence is one kernel (`kernels.deltanet_chunk_scan`, transformers' chunks of ``linear_chunk_size``), against
+    the same prefill in float64 and the eager float32 one on the CPU (the chunk loop in torch ops): output, conv
+    window and state within the eager prefill's own error of float64 (1.25x its mean, 2x its largest); bundles take
+    the same path (tests/gpu/test_qwen3_5_cuda.py)."""
+    m = _layer(shape)
+    assert m.chunk_scan
+    conv = torch.randn(2, m.conv_dim, m.kernel)
+    rec = torch.randn(2, m.nv, m.dk, m.dv) * 0.5
+    x = torch.randn(1, t, m.in_proj.in_features)
+
+    def run(device, dtype):
+        layer = _layer(shape).to(device, dtype)
+        c, r = conv.to(device, dtype).clone(), rec.to(device, torch.float64 if dtype == torch.float64 else
+                                                         torch.float32).clone()
+        step = Step(torch.tensor([1], device=device), torch.arange(5, 5 + t, device=device), False)
+        with torch.no_grad():
+            out = layer(x.to(device, dtype), step, c, r, 4)
+        return out, c, r
+
+    ref, eager = run("cpu", torch.float64), run("cpu", torch.float32)
+    got = run("cuda", torch.float32)
+    for i in range(3):  # output, conv window, recurrent state
+        e = (eager[i].double() - ref[i]).abs()
+        g = (got[i].cpu().double() - ref[i]).abs()
+        assert g.mean() <= 1.25 * e.mean() + 1e-6 and g.max() <= 2 * e.max() + 1e-6, (shape, t, i, g.mean(),
+                                                                                      e.mean(), g.max(), e.max())
+
+
+def test_chunk_scan_refuses_tiles_it_cannot_take():
+    from onecopy.kernels.deltanet import launch_deltanet_chunk_scan
+
+    h, n, c, dk, dv = 2, 3, 24, 16, 16
+    z = lambda *s: torch.zeros(*s, device="cuda")  # noqa: E731
+    with pytest.raises(ValueError, match="must be powers of two of 16 or more"):
+        launch_deltanet_chunk_scan(z(h, n, c, dv), z(h, n, c, dk), z(h, n, c, dk), z(h, n, c, dk), z(h, n, c, c),
+                                   z(h, n), z(h, dk, dv))
+    with pytest.raises(ValueError, match="do not describe one prefill's chunks"):
+        launch_deltanet_chunk_scan(z(h, n, 32, dv), z(h, n, 32, dk), z(h, n, 32, dk), z(h, n, 32, dk), z(h, n, 32, 32),
+                                   z(h, n + 1), z(h, dk, dv))
