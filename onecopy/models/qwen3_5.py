@@ -93,7 +93,7 @@ class Experts(nn.Module):
 
         Written as gathers feeding mul + sum reductions, which Inductor fuses: the kernels read only
         the routed experts' weights, in place (N * k experts' bytes a step, not all E). With `kernels.moe.ENABLED`
-        (off until measured) float experts on CUDA take the grouped kernels instead: each chosen expert read once.
+        (off: slower below 16 rows) float experts on CUDA take the grouped kernels instead: each chosen expert read once.
         """
         hid = self.hidden
         if (moe.ENABLED and x.is_cuda and kernels.available() and not invariant.active()
