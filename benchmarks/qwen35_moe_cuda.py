@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import onecopy  # noqa: E402
+from onecopy.bench.decode import moe_step_bytes  # noqa: E402
 from onecopy.models.presets import PRESETS, random_hf_state_dict  # noqa: E402
 from onecopy.models.qwen3_5_config import FULL, LINEAR, Qwen35Config  # noqa: E402
 from onecopy.models.qwen3_5_convert import hf_config_from_qwen3_5  # noqa: E402
@@ -43,18 +44,6 @@ def config(layers: int, tiny: bool) -> Qwen35Config:
         return Qwen35Config(**{**PRESETS["tiny-qwen3.5-moe"].config.to_dict(), "n_layers": layers,
                                "layer_types": kinds})
     return Qwen35Config(**{**PRESETS["qwen3.5-35b-a3b"].config.to_dict(), "n_layers": layers, "layer_types": kinds})
-
-
-def step_bytes(cfg: Qwen35Config, weights: dict, state: dict, context: int) -> dict:
-    """What one batch-1 decode step must read."""
-    nb = {k: v.numel() * v.element_size() for k, v in weights.items()}
-    experts = {k: v for k, v in nb.items() if ".experts." in k}
-    dense = sum(v for k, v in nb.items() if k not in experts and k != "embed_tokens.weight")
-    routed = sum(experts.values()) * cfg.num_experts_per_tok // cfg.num_experts
-    recurrent = sum(s.nbytes for f, s in state.items() if s.recurrent)
-    kv = sum(s.nbytes * context // s.shape[1] for f, s in state.items() if not s.recurrent)
-    return {"dense_weights": dense, "routed_experts": routed, "all_experts": sum(experts.values()),
-            "recurrent_state": recurrent, "kv_filled": kv, "total": dense + routed + recurrent + kv}
 
 
 def main() -> None:
@@ -94,7 +83,8 @@ def main() -> None:
         sync()
         res["onecopy_ms_per_step"] = round(1000 * (time.perf_counter() - t1) / 50, 4)
         res["graph_buckets"] = engine.graph_buckets
-        res["bytes_per_step"] = step_bytes(cfg, weights, state, a.context - 32)
+        res["bytes_per_step"] = moe_step_bytes(weights, state, cfg.num_experts_per_tok, cfg.num_experts,
+                                               a.context - 32)
         if dev == "cuda":  # the floor: those bytes at the copy bandwidth measured in this run
             from onecopy.bench.decode import copy_bandwidth
 

@@ -54,6 +54,23 @@ def floor_bytes(weights: dict[str, Any], cfg: LlamaConfig, context: int, kv_8bit
     return w, kv
 
 
+def moe_step_bytes(weights: dict[str, Any], state: dict[str, Any], top_k: int, n_experts: int, context: int,
+                   tied: bool = False) -> dict[str, int]:
+    """What one batch-1 decode step of a MoE model must read (Qwen3.5 MoE): every weight but the embedding table
+    (unless ``tied``: it is the LM head too), packed values, scales and mins as stored; of the routed-expert stacks
+    (FQNs with ``.experts.``) the ``top_k`` of ``n_experts`` a token uses; the recurrent state (`Manifest.state`
+    specs with ``recurrent``) and the KV of ``context`` filled positions."""
+    nb = {k: v.numel() * v.element_size() for k, v in weights.items()}
+    experts = {k: v for k, v in nb.items() if ".experts." in k}
+    table = () if tied else ("embed_tokens.", "tok_embeddings.")  # decode gathers one row of it
+    dense = sum(v for k, v in nb.items() if k not in experts and not k.startswith(table))
+    routed = sum(experts.values()) * top_k // n_experts
+    recurrent = sum(s.nbytes for s in state.values() if s.recurrent)
+    kv = sum(s.nbytes * context // s.shape[1] for s in state.values() if not s.recurrent)
+    return {"dense_weights": dense, "routed_experts": routed, "all_experts": sum(experts.values()),
+            "recurrent_state": recurrent, "kv_filled": kv, "total": dense + routed + recurrent + kv}
+
+
 class DevicePeak:
     """Device-level peak use around a block: use at entry plus the allocator's peak growth inside it."""
 
