@@ -3,13 +3,17 @@ read once for all the rows that chose it (vLLM's fused_moe idea), where the eage
 gathers feeding Inductor's fused products) reads an expert once per row that chose it.
 
 The step's (token, slot) pairs are sorted by expert on the device (static shapes: a run per distinct expert, at most
-N k runs, the empty ones exit at once); one kernel per run and tile of the hidden width computes
-silu(x W_gate^T) * (x W_up^T) for its pairs with the expert's gate/up rows read once, a second per run and tile of
-the model width multiplies by W_down; the routing weights and the sum over a token's k experts are torch ops (the
+N k runs, the empty ones exit at once); one kernel per run, tile of the hidden width and block of 16 of the run's
+pairs computes silu(x W_gate^T) * (x W_up^T) for its pairs with the expert's gate/up rows read once a block, a
+second per run, tile of the model width and block multiplies by W_down. The tiles do not depend on N (a dynamic dim
+of an exported decode graph: one compiled kernel serves every batch size) and a row's bits do not depend on the rows
+beside it; the routing weights and the sum over a token's k experts are torch ops (the
 same order for every row, so no atomics). The rounding points are the eager step's. Float (bf16) experts only.
 `ENABLED` stays False: against the eager step (H200, one 35B-A3B layer, `benchmarks/moe_decode_cuda.py`,
 benchmarks/results/moe_decode_h200.json) it is 0.45x at 1 session (8 experts: too few programs for the GPU), 0.92x
-at 4, 1.26x at 16 and 2.35x at 64, and one decode graph serves every batch size.
+at 4, 1.26x at 16 and 2.35x at 64 (timed with a run's pairs in one block of up to 64 rows, which an exported graph
+could not take: its rows were sized by N at trace time; the 16-pair blocks are not yet timed), and one decode graph
+serves every batch size.
 The op is defined in `ops`; the kernels' source is `moe_triton`, imported when they are first launched.
 """
 
@@ -19,6 +23,7 @@ import torch
 
 # Whether Experts.routed takes these kernels on CUDA (off: slower than the eager step below 16 rows)
 ENABLED = False
+BM = 16  # pairs of one run (one expert) a program multiplies: the MMA's rows
 
 
 def runs(idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -57,15 +62,17 @@ def launch_moe_routed(x: torch.Tensor, idx: torch.Tensor, top: torch.Tensor, gat
     x = x if x.stride(-1) == 1 else x.contiguous()
     order, start, count, expert = runs(idx)
     p = n * k
-    bm = max(16, 1 << (n - 1).bit_length())  # a run holds at most N pairs (a token takes an expert once)
+    # a run holds at most N pairs (a token takes an expert once), in blocks of BM: the tiles do not depend on N, so
+    # one compiled kernel serves every batch size of an exported graph (N is a dynamic dim there)
+    blocks = (n + BM - 1) // BM
     h = torch.empty((p, inter), dtype=x.dtype, device=x.device)
     y = torch.empty((p, d), dtype=x.dtype, device=x.device)
     up_k, down_k = (wrap_triton(moe_gate_up_kernel), wrap_triton(moe_down_kernel)) if wrap else \
         (moe_gate_up_kernel, moe_down_kernel)
     bi = min(64, max(16, 1 << (inter - 1).bit_length()))
-    up_k[(p, -(-inter // bi))](x, gate_up, order, start, count, expert, h, x.stride(0), gate_up.stride(0),
-                               h.stride(0), D=d, INTER=inter, TOPK=k, BM=bm, BI=bi, BD=64, num_warps=4)
+    up_k[(p, -(-inter // bi), blocks)](x, gate_up, order, start, count, expert, h, x.stride(0), gate_up.stride(0),
+                                       h.stride(0), D=d, INTER=inter, TOPK=k, BM=BM, BI=bi, BD=64, num_warps=4)
     bo = 64
-    down_k[(p, -(-d // bo))](h, down, order, start, count, expert, y, h.stride(0), down.stride(0), y.stride(0),
-                             D=d, INTER=inter, TOPK=k, BM=bm, BO=bo, BI=min(64, bi), num_warps=4)
+    down_k[(p, -(-d // bo), blocks)](h, down, order, start, count, expert, y, h.stride(0), down.stride(0),
+                                     y.stride(0), D=d, INTER=inter, TOPK=k, BM=BM, BO=bo, BI=min(64, bi), num_warps=4)
     return (y.view(n, k, d) * top[..., None]).sum(1)

@@ -6,13 +6,14 @@ import triton.language as tl
 
 @triton.jit
 def _run(order, run_start, run_count, run_expert, s, BM: tl.constexpr, TOPK: tl.constexpr):
-    """Run ``s`` of the routed pairs sorted by expert: its expert, its pairs' ids and their rows (token = pair // k)."""
+    """Block program_id(2) of BM pairs of run ``s`` (the routed pairs sorted by expert): whether the block holds any,
+    the run's expert, the block's pairs' ids and their rows (token = pair // k)."""
     cnt = tl.load(run_count + s)
     e = tl.load(run_expert + s).to(tl.int64)
-    c = tl.arange(0, BM)
+    c = tl.program_id(2) * BM + tl.arange(0, BM)
     cm = c < cnt
     pairs = tl.load(order + tl.load(run_start + s) + c, mask=cm, other=0).to(tl.int64)
-    return cnt, e, pairs, pairs // TOPK, cm
+    return tl.program_id(2) * BM < cnt, e, pairs, pairs // TOPK, cm
 
 
 @triton.jit
@@ -20,10 +21,10 @@ def moe_gate_up_kernel(x, w, order, run_start, run_count, run_expert, h, stride_
                        D: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
                        BI: tl.constexpr, BD: tl.constexpr):
     """h[pair] = silu(x[token] W_gate^T) * (x[token] W_up^T) for the pairs of run program_id(0) (one expert: its
-    [2 I, D] weight read once for all of them), outputs program_id(1) * BI ..."""
+    [2 I, D] weight read once for each block of BM of them), outputs program_id(1) * BI ..."""
     s = tl.program_id(0)
-    cnt, e, pairs, rows, cm = _run(order, run_start, run_count, run_expert, s, BM, TOPK)
-    if cnt > 0:
+    some, e, pairs, rows, cm = _run(order, run_start, run_count, run_expert, s, BM, TOPK)
+    if some:
         i = tl.program_id(1) * BI + tl.arange(0, BI)
         im = i < INTER
         acc_g = tl.zeros((BM, BI), dtype=tl.float32)
@@ -49,11 +50,11 @@ def moe_gate_up_kernel(x, w, order, run_start, run_count, run_expert, h, stride_
 def moe_down_kernel(h, w, order, run_start, run_count, run_expert, y, stride_h, stride_e, stride_y,
                     D: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
                     BO: tl.constexpr, BI: tl.constexpr):
-    """y[pair] = h[pair] W_down^T for the pairs of run program_id(0) (its expert's [D, I] weight read once),
-    outputs program_id(1) * BO ..."""
+    """y[pair] = h[pair] W_down^T for the pairs of run program_id(0) (its expert's [D, I] weight read once for each
+    block of BM of them), outputs program_id(1) * BO ..."""
     s = tl.program_id(0)
-    cnt, e, pairs, rows, cm = _run(order, run_start, run_count, run_expert, s, BM, TOPK)
-    if cnt > 0:
+    some, e, pairs, rows, cm = _run(order, run_start, run_count, run_expert, s, BM, TOPK)
+    if some:
         o = tl.program_id(1) * BO + tl.arange(0, BO)
         om = o < D
         acc = tl.zeros((BM, BO), dtype=tl.float32)

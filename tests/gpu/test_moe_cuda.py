@@ -10,9 +10,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.parametrize("e,d,inter,k", [(16, 64, 32, 4), (256, 2048, 512, 8)])  # tiny; Qwen3.5-35B-A3B's experts
 def test_routed_experts_kernel_matches_float64_and_the_eager_step(e, d, inter, k):
-    """1-64 rows (experts shared between rows at the larger sizes): the kernels' output as close to float64 as the
-    eager step's (bf16 on the GPU: Inductor-like rounding points, within 1.25x its mean error and 2x its largest),
-    and its GPU-graph replay equal to the eager launch."""
+    """1-64 rows (experts shared between rows at the larger sizes; past 16 rows an expert's pairs span several
+    16-pair blocks): the kernels' output as close to float64 as the eager step's (bf16 on the GPU: Inductor-like
+    rounding points, within 1.25x its mean error and 2x its largest), the last row's bits the same alone as beside
+    the others (fixed 16-row tiles), and its GPU-graph replay equal to the eager launch."""
     from onecopy.kernels.moe import launch_moe_routed
 
     torch.manual_seed(0)
@@ -34,6 +35,9 @@ def test_routed_experts_kernel_matches_float64_and_the_eager_step(e, d, inter, k
             ref = ref_ex.routed(x.double(), idx, top.double())
         ge, ee = (got.double() - ref).abs(), (eager.double() - ref).abs()
         assert ge.mean() <= 1.25 * ee.mean() and ge.max() <= 2 * ee.max(), (e, n, ge.mean(), ee.mean(), ge.max(), ee.max())
+        with torch.no_grad():
+            alone = launch_moe_routed(x[-1:], idx[-1:], top[-1:], ex.gate_up_proj, ex.down_proj)
+        assert torch.equal(alone[0], got[-1]), (e, n)
         graph = torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.cuda.graph(graph):
             out = launch_moe_routed(x, idx, top, ex.gate_up_proj, ex.down_proj)
