@@ -139,3 +139,35 @@ def test_a_file_without_the_architecture_metadata_is_refused_naming_the_keys(tmp
     with pytest.raises(ModelSourceError, match=r"the qwen35moe GGUF lacks qwen35moe\.attention\.head_count, .*"
                                                r"qwen35moe\.expert_count, .*reconvert it"):
         resolve_source(tmp_path / "bare.gguf")
+
+
+def test_expert_stacks_that_stay_packed_are_read_without_their_floats(tmp_path):
+    """`resolve_source(..., lazy_experts=True)` (what an export that keeps a GGUF packed reads): the routed-expert
+    stacks come without float32 copies (meta: shape only; the 35B model's would be ~136 GB), and the model built from
+    it (on the meta device, floats assigned, the GGUF layers packed) is the float-read model packed by `pack_gguf`:
+    the same parameters and buffers bit for bit, the same logits, the same packing report."""
+    import copy
+
+    from onecopy.models.packed import PackedExperts
+    from onecopy.models.quantize import pack_gguf
+
+    path = write_qwen35_gguf(tmp_path / "m.gguf", _source("tiny-qwen3.5-moe"), qtype=Q.Q4_1)
+    full, lazy = resolve_source(path), resolve_source(path, lazy_experts=True)
+    experts = [k for k in full.hf_state_dict if ".mlp.experts." in k]
+    assert len(experts) == 8 and all(lazy.hf_state_dict[k].is_meta for k in experts)
+    assert not any(w.is_meta for k, w in lazy.hf_state_dict.items() if k not in experts)
+    want = copy.deepcopy(full.build(64, torch.float32))
+    report = pack_gguf(want, full.packed)
+    got = lazy.build(64, torch.float32)
+    assert got.gguf_packing == report
+    from onecopy.export.exporter import _pack
+
+    assert _pack(got, lazy, False, None, 128, False) == report[0]  # the export takes the packing as built
+    assert isinstance(got.layers[0].mlp.experts.gate_up_proj, PackedExperts)
+    w_state, g_state = want.state_dict(), got.state_dict()
+    assert w_state.keys() == g_state.keys()
+    for k in w_state:
+        assert w_state[k].dtype == g_state[k].dtype and torch.equal(w_state[k], g_state[k]), k
+    with torch.no_grad():
+        torch.testing.assert_close(got(torch.tensor([PROMPT]), torch.arange(len(PROMPT))),
+                                   want(torch.tensor([PROMPT]), torch.arange(len(PROMPT))), atol=0, rtol=0)

@@ -178,7 +178,8 @@ def export(source: "str | Path | ModelSource", out_dir: str | Path, *, max_seq_l
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         progress_note(f"reading {source if not isinstance(source, ModelSource) else source.name} ...", progress)
-        src = resolve_source(source)
+        # a GGUF's expert stacks that stay packed are read without float copies unless the export dequantizes
+        src = resolve_source(source, lazy_experts=not dequantize and quantize is None)
         bound = src.config.max_target_positions if src.family == "whisper" else src.config.max_position_embeddings
         if max_seq_len is None:
             max_seq_len = bound if src.family == "whisper" else min(2048, bound)
@@ -328,7 +329,8 @@ def _pack(model: torch.nn.Module, src: ModelSource, dequantize: bool, quantize: 
         return {name: f"{quantize} rtn" for name in packed_layers(model)}
     if not src.packed or dequantize:
         return {}
-    sources, kept_float = pack_gguf(model, src.packed)
+    # a source read without the packed experts' floats was packed as it was built
+    sources, kept_float = getattr(model, "gguf_packing", None) or pack_gguf(model, src.packed)
     if kept_float:
         progress_note(f"kept float (fused parts quantized unlike, or values the packing cannot rearrange): "
                       f"{', '.join(kept_float[:4])}"

@@ -36,10 +36,13 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, d, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+def read_gguf(path: Path, lazy_experts: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any],
+                                                                 dict[str, Any]]:
     """Return (HF config dict, HF-named float32 state dict, tokenizer info, packed) of a Llama-family or Qwen3.5 GGUF;
     ``packed`` holds each tensor of a type that can stay quantized (`gguf_repack.SUPPORTED`), repacked
-    (`gguf_repack.PackedWeight`, HF name), next to its float32 dequantization in the state dict."""
+    (`gguf_repack.PackedWeight`, HF name), next to its float32 dequantization in the state dict.
+    ``lazy_experts``: a Qwen3.5 MoE's routed-expert stacks that stay packed are not dequantized: their state-dict
+    entries are meta tensors of their shape (the 35B model's experts are ~34B of its weights: ~136 GB as float32)."""
     try:
         import gguf
     except ImportError as e:
@@ -50,7 +53,7 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict
         raise ModelSourceError(f"{path} is not a readable GGUF file ({e}); check the download") from e
     arch = _field(reader, "general.architecture")
     if arch in gguf_qwen3_5.ARCHS:
-        config, sd, packed = _read_qwen3_5(reader, arch, gguf)
+        config, sd, packed = _read_qwen3_5(reader, arch, gguf, lazy_experts)
         return config, sd, _tokenizer(reader), packed
     if arch not in ("llama", "qwen2", "qwen3"):
         raise ModelSourceError(f"GGUF architecture {arch!r} is not supported; use a llama/qwen2/qwen3/qwen35/qwen35moe "
@@ -110,22 +113,37 @@ def _tokenizer(reader: Any) -> dict[str, Any]:
     }
 
 
-def _read_qwen3_5(reader: Any, arch: str, gguf: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
-    """A Qwen3.5 GGUF as (transformers text config, float32 transformers state dict, packed): `gguf_qwen3_5`."""
+_EXPERT_STACKS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+
+
+def _read_qwen3_5(reader: Any, arch: str, gguf: Any, lazy_experts: bool = False) -> tuple[dict[str, Any],
+                                                                                         dict[str, torch.Tensor],
+                                                                                         dict[str, Any]]:
+    """A Qwen3.5 GGUF as (transformers text config, float32 transformers state dict, packed): `gguf_qwen3_5`;
+    ``lazy_experts``: see `read_gguf`."""
     names = {t.name for t in reader.tensors}
     config = gguf_qwen3_5.hf_config(arch, lambda k, d: _field(reader, f"{arch}.{k}", d), names,
                                     len(_field(reader, "tokenizer.ggml.tokens", [])))
     tensors = gguf_qwen3_5.Qwen35Tensors(config)
     for t in reader.tensors:
-        tensors.add(t.name, *_read_tensor(t, gguf))
-    return config, tensors.finish(), tensors.packed
+        lazy = (lazy_experts and t.name.startswith("blk.") and t.name.split(".", 2)[2] in _EXPERT_STACKS
+                and t.tensor_type in gguf_repack.SUPPORTED)
+        tensors.add(t.name, *_read_tensor(t, gguf, floats=not lazy))
+    sd = tensors.finish()
+    if any(w.is_meta and name not in tensors.packed for name, w in sd.items()):
+        # a stack the packing cannot take (gate and up quantized unlike: not joined packed): floats after all
+        return _read_qwen3_5(reader, arch, gguf)
+    return config, sd, tensors.packed
 
 
-def _read_tensor(t: Any, gguf: Any) -> tuple[torch.Tensor, gguf_repack.PackedWeight | None]:
+def _read_tensor(t: Any, gguf: Any, floats: bool = True) -> tuple[torch.Tensor, gguf_repack.PackedWeight | None]:
     """A GGUF tensor as float32 in torch's shape order (GGUF's ne reversed) and, if its type can stay quantized
-    (`gguf_repack.SUPPORTED`), repacked."""
+    (`gguf_repack.SUPPORTED`), repacked; without ``floats`` the float32 is a meta tensor (its shape, no values)."""
     shape = tuple(reversed(t.shape.tolist()))
-    w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32, copy=True))
+    if floats:
+        w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32, copy=True))
+    else:
+        w = torch.empty(shape, dtype=torch.float32, device="meta")
     p = gguf_repack.repack(t.tensor_type, t.data, shape) if t.tensor_type in gguf_repack.SUPPORTED else None
     return w.reshape(shape), p
 

@@ -84,7 +84,8 @@ def _replace(model: nn.Module, name: str, w: Packed) -> None:
     owner = model.get_submodule(parent) if parent else model
     old = getattr(owner, attr)
     dev = next(iter(old.parameters())).device
-    w = w.rebuild(tuple(t.to(dev) for t in w.tensors()))
+    if dev.type != "meta":  # (a model built without memory: the packed tensors stay where they were read)
+        w = w.rebuild(tuple(t.to(dev) for t in w.tensors()))
     if isinstance(old, nn.Embedding):
         setattr(owner, attr, PackedEmbedding(w, old.weight.dtype))
     else:
@@ -203,7 +204,8 @@ def _pack_gguf_experts(model: nn.Module, packed: dict[str, Any]) -> dict[str, st
             if w is None:
                 continue
             e, n, _ = w.shape
-            parts = [None if t is None else t.reshape(e, n, -1).to(getattr(experts, attr).device)
+            dev = getattr(experts, attr).device
+            parts = [None if t is None else t.reshape(e, n, -1).to(t.device if dev.type == "meta" else dev)
                      for t in (w.qweight, w.scales, w.mins)]
             delattr(experts, attr)  # a parameter's name cannot take a module
             setattr(experts, attr, PackedExperts(w.layout, w.group, *parts))

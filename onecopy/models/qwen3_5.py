@@ -195,6 +195,10 @@ class Qwen35(PooledModel):
         self.to(dtype)
         self.rope_inv_freq.data = inv_freq  # RoPE angles stay in fp32 whatever the model dtype
 
+    def materialize_buffers(self, device: str | torch.device = "cpu") -> None:
+        """The computed buffers (the RoPE table) of a model built on the meta device, on ``device``."""
+        self.rope_inv_freq = rope_inv_freq(self.config, self.config.rotary_dim)[0].to(device)
+
     def state_specs(self) -> dict[str, tuple[list[int], torch.dtype]]:
         cfg, out = self.config, {}
         for i, layer in enumerate(self.layers):

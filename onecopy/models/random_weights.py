@@ -210,5 +210,5 @@ def qwen3_5_on_device(cfg: Qwen35Config, max_seq_len: int, dtype: torch.dtype, d
             quantize_qwen3_5(unit, *quantize)
     if quantize is not None:  # and the model its LM head
         quantize_qwen3_5(model, *quantize)
-    model.rope_inv_freq = rope_inv_freq(cfg, cfg.rotary_dim)[0].to(device)  # computed, not random
+    model.materialize_buffers(device)  # computed, not random
     return model.eval()

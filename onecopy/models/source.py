@@ -56,12 +56,37 @@ class ModelSource:
         if self.random_seed is not None:  # no stored weights: drawn on the device
             return fam.random_on_device(self.config, max_seq_len, dtype, torch.device(device), self.random_seed,
                                         quantize=quantize)
+        sd = self.state_dict()
+        if any(w.is_meta for w in sd.values()):  # floats left unread (lazy_experts): packed as built
+            return self._build_packed(max_seq_len, dtype, device, sd)
         model = fam.model(self.config, max_seq_len, dtype)
-        missing, unexpected = model.load_state_dict(self.state_dict(), strict=False)
+        missing, unexpected = model.load_state_dict(sd, strict=False)
         buffers = {n for n, _ in model.named_buffers()}  # KV cache and RoPE table are built, not loaded
         missing = [m for m in missing if m not in buffers]
         if missing or unexpected:
             raise ModelSourceError(f"weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        return model.to(device).eval()
+
+    def _build_packed(self, max_seq_len: int, dtype: torch.dtype, device: str | torch.device,
+                      sd: dict[str, torch.Tensor]) -> nn.Module:
+        """The model of a source whose packed weights have no float copy (meta in ``sd``): built without memory,
+        its float weights assigned in its dtype, its GGUF-packed layers put in place (`quantize.pack_gguf`; the model
+        keeps the packing's report as ``gguf_packing``), so the float parameters of packed layers are never held."""
+        from .quantize import pack_gguf
+        from .qwen3_5 import Qwen35
+
+        with torch.device("meta"):
+            model = families.family(self.family).model(self.config, max_seq_len, dtype)
+        if not isinstance(model, Qwen35):
+            raise ModelSourceError(f"weights left unread are a Qwen3.5 GGUF's expert stacks, not {self.family}'s")
+        params = dict(model.named_parameters())
+        floats = {k: w.to(params[k].dtype) if k in params else w for k, w in sd.items() if not w.is_meta}
+        missing, unexpected = model.load_state_dict(floats, strict=False, assign=True)
+        model.gguf_packing = pack_gguf(model, self.packed)
+        model.materialize_buffers()
+        unread = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+        if unexpected or unread:
+            raise ModelSourceError(f"weights do not fit the model: unread {unread[:5]}, unexpected {unexpected[:5]}")
         return model.to(device).eval()
 
     def save_hf(self, path: Path) -> None:
@@ -105,8 +130,8 @@ def embedded_default_gguf() -> Path:
     return path
 
 
-def _from_gguf(path: Path, name: str) -> ModelSource:
-    config, sd, tok, packed = read_gguf(path)
+def _from_gguf(path: Path, name: str, lazy_experts: bool = False) -> ModelSource:
+    config, sd, tok, packed = read_gguf(path, lazy_experts)
     cfg = families.for_model_type(config["model_type"]).config_from_hf(config)  # the GGUF architecture
     return ModelSource(name=name, config=cfg, hf_state_dict=sd, family=cfg.family, packed=packed,
                        tokenizer_json=tokenizer_json_from_gguf(tok), eos_token_ids=[int(tok["eos_token_id"])],
@@ -149,8 +174,10 @@ def preset_source(name: str, seed: int = 0) -> ModelSource:
                        random_seed=seed if preset.on_device else None)
 
 
-def resolve_source(source: "str | Path | ModelSource") -> ModelSource:
-    """Accept a ModelSource, a preset name, the embedded default name, a .gguf file or an HF checkpoint dir."""
+def resolve_source(source: "str | Path | ModelSource", lazy_experts: bool = False) -> ModelSource:
+    """Accept a ModelSource, a preset name, the embedded default name, a .gguf file or an HF checkpoint dir.
+    ``lazy_experts``: a GGUF's routed-expert stacks that stay packed are read without their float32 copies
+    (`gguf_file.read_gguf`; what an export that keeps them packed needs); its `ModelSource.build` then packs."""
     if isinstance(source, ModelSource):
         return source
     s = str(source)
@@ -164,7 +191,7 @@ def resolve_source(source: "str | Path | ModelSource") -> ModelSource:
     if path.is_dir() and (path / "model.bin").is_file():
         return _from_fields(path.name, read_ct2_dir(path))
     if path.is_file() and path.suffix == ".gguf":
-        return _from_gguf(path, path.stem)
+        return _from_gguf(path, path.stem, lazy_experts)
     if path.is_dir():
         return _from_hf_dir(path)
     choices = ", ".join([*PRESETS, EMBEDDED_DEFAULT, EMBEDDED_WHISPER])
