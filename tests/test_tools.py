@@ -485,3 +485,87 @@ def test_responses_stream_function_call_events(smol_server):
     assert events[-1].response.output[0].call_id == item.call_id
     stored = client.responses.retrieve(events[-1].response.id)
     assert stored.output[0].arguments == item.arguments
+
+
+# A template that teaches the XML form (Qwen3.5's, Qwen3-Coder's) gets forced calls in it
+FLAG = {"type": "object", "properties": {"on": {"type": "boolean"}, "level": {"type": "integer", "minimum": 0,
+                                                                              "maximum": 9},
+                                         "note": {"type": "string", "maxLength": 12}},
+        "required": ["on", "level"], "additionalProperties": False}
+XML_TOOLS = (Tool("get_weather", None, WEATHER["function"]["parameters"]), Tool("set_flag", None, FLAG))
+XML_SCHEMAS = {"get_weather": WEATHER["function"]["parameters"], "set_flag": FLAG}
+
+
+def _xml(name: str, *params: tuple[str, str]) -> str:
+    return (f"<tool_call>\n<function={name}>\n" + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params)
+            + "</function>\n</tool_call>")
+
+
+def _accepts(engine, grammar, text: str) -> bool:
+    m = engine.grammars.matcher(grammar)._m
+    return all(m.consume_token(t) for t in engine.tokenizer.encode(text)) and m.is_accepting()
+
+
+@pytest.mark.parametrize("text,args", [
+    (_xml("get_weather", ("city", "Paris"), ("unit", "celsius")), {"city": "Paris", "unit": "celsius"}),
+    (_xml("get_weather", ("city", "San\nJosé <b>"), ("unit", "fahrenheit")), {"city": "San\nJosé <b>",
+                                                                               "unit": "fahrenheit"}),
+    (_xml("set_flag", ("on", "true"), ("level", "7")), {"on": True, "level": 7}),
+    (_xml("set_flag", ("on", "false"), ("level", "0"), ("note", "a\n</b>")), {"on": False, "level": 0,
+                                                                              "note": "a\n</b>"}),
+    (_xml("get_weather", ("city", "Paris")), None),  # a required argument missing
+    (_xml("get_weather", ("city", "Paris"), ("unit", "kelvin")), None),  # not in the enum
+    (_xml("get_weather", ("city", "A" * 21), ("unit", "celsius")), None),  # past maxLength
+    (_xml("set_flag", ("on", "yes"), ("level", "3")), None),  # not a boolean
+    (_xml("set_flag", ("on", "true"), ("level", "12")), None),  # past the maximum
+    (_xml("set_flag", ("level", "3"), ("on", "true")), None),  # the schema's order
+    ('<tool_call>\n{"name":"set_flag","arguments":{"on":true,"level":3}}\n</tool_call>', None),  # the JSON form
+])
+def test_a_forced_call_under_an_xml_template_is_that_form_checked_against_the_schema(tiny_engine, text, args):
+    """A forced call's grammar where the template teaches the XML form (`<function=NAME>`, a `<parameter=KEY>` block
+    per argument in the schema's order, strings raw up to their `</parameter>` with their length bounds, enums,
+    numbers and booleans as the schema has them): what it allows parses back to those arguments; what breaks the
+    schema (or is the JSON form) it refuses."""
+    from onecopy.serve.tools import call_grammar
+
+    grammar = call_grammar(XML_TOOLS, xml=True)
+    if args is None:
+        assert not _accepts(tiny_engine, grammar, text)
+        return
+    assert _accepts(tiny_engine, grammar, text)
+    (call,) = parse_reply(text, set(XML_SCHEMAS), XML_SCHEMAS).calls
+    assert json.loads(call.arguments) == args
+
+
+def test_sampled_calls_under_an_xml_template_are_valid_calls(smol_engine):
+    """SmolLM2 sampling at temperature 1.2 (its template teaches no XML: the mask alone keeps the form): each forced
+    call ends, parses as a call of one of the tools, and its arguments are valid against that tool's schema."""
+    from onecopy.params import SamplingParams
+    from onecopy.serve.tools import call_grammar
+
+    grammar = call_grammar(XML_TOOLS, xml=True)
+    for seed in range(4):
+        stream = smol_engine.submit(f"Call a tool ({seed}):", SamplingParams(temperature=1.2, seed=seed,
+                                                                             max_new_tokens=120, grammar=grammar),
+                                    chat=False)
+        text = smol_engine.tokenizer.decode(list(stream))
+        assert stream.finish_reason == "stop", text
+        (call,) = parse_reply(text, set(XML_SCHEMAS), XML_SCHEMAS).calls
+        _validate(json.loads(call.arguments), XML_SCHEMAS[call.name])
+
+
+def test_xml_calls_only_where_the_template_teaches_them_and_each_argument_has_the_form():
+    """`teaches_xml_calls` reads the template; a tool with an argument raw text cannot carry as the schema says (a
+    string with a pattern) keeps the whole grammar in the JSON form, which the parser reads as well."""
+    from onecopy.serve.tools import call_grammar, teaches_xml_calls
+    from onecopy.tokenizer import Tokenizer
+
+    tok = Tokenizer.__new__(Tokenizer)
+    tok.chat_template = "{% for t in tools %}...<function=example_function_name>...{% endfor %}"
+    assert teaches_xml_calls(tok)
+    tok.chat_template = '{"name": <function-name>, "arguments": <args-json-object>}'
+    assert not teaches_xml_calls(tok)
+    assert "<function=set_flag>" in call_grammar(XML_TOOLS, xml=True).text
+    assert "<function=" not in call_grammar(XML_TOOLS).text
+    coded = Tool("lookup", None, {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}$"}}})
+    assert "<function=" not in call_grammar((*XML_TOOLS, coded), xml=True).text

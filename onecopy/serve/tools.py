@@ -4,7 +4,8 @@ forced call, and the calls parsed out of the reply as it streams.
 Calls are written the Hermes / Qwen way: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``; a reply's
 calls are also read in the XML form of Qwen3.5's and Qwen3-Coder's templates (``<tool_call>\\n<function=NAME>\\n
 <parameter=KEY>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>``, each value typed by the tool's schema), and a
-free reply that is only JSON calls in Llama 3.1's form (``<|python_tag|>{"name": ..., "parameters": {...}}``). A chat
+free reply that is only JSON calls in Llama 3.1's form (``<|python_tag|>{"name": ..., "parameters": {...}}``). A forced
+call is generated in the XML form where the chat template teaches it (`teaches_xml_calls`), else in the JSON one. A chat
 template that reads a ``tools`` variable renders the tools and the history's calls itself; for one that does not
 (SmolLM2's) onecopy puts the tools in the system prompt, with the instruction to answer a call in that form, and
 renders the history's calls as those blocks and tool results as ``<tool_response>`` blocks in a user turn.
@@ -93,13 +94,81 @@ def call_schema(tool: Tool) -> dict[str, Any]:
             "required": ["name", "arguments"], "additionalProperties": False, **defs}
 
 
-def call_grammar(tools: Iterable[Tool], content: Grammar | None = None) -> Grammar:
+def teaches_xml_calls(tokenizer: Any) -> bool:
+    """Whether a bundle's chat template teaches calls in the XML form (Qwen3.5's, Qwen3-Coder's ``<function=...>``
+    blocks): a forced call is then generated in that form, the one the model was trained to write."""
+    return "<function=" in (getattr(tokenizer, "chat_template", None) or "")
+
+
+def _lark_text(text: str) -> str:
+    """A Lark string literal of ``text``."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+_XML_END = "\n</parameter>\n"  # after each XML-form value
+
+
+def _xml_value_rule(schema: Any, rule: str, defs: dict[str, Any]) -> tuple[str, list[str]] | None:
+    """The grammar of one XML-form value of ``schema`` up to its parameter's end: (expansion, extra rules), or None
+    where raw text cannot carry it as `xml_value` reads it back (a string with a pattern or a format, a string-or-
+    other type)."""
+    if not isinstance(schema, dict):
+        return None
+    choices = schema["enum"] if "enum" in schema else [schema["const"]] if "const" in schema else None
+    if isinstance(choices, list) and choices:  # written as xml_value reads them: strings raw, others as JSON
+        words = [v if isinstance(v, str) else json.dumps(v) for v in choices]
+        return "(" + " | ".join(_lark_text(w) for w in words) + ") " + _lark_text(_XML_END), []
+    kinds = schema.get("type")
+    kinds = kinds if isinstance(kinds, list) else [kinds] if kinds is not None else []
+    if not schema or kinds == ["string"]:
+        if set(schema) - {"type", "minLength", "maxLength", "description", "title"}:
+            return None  # pattern, format ...: not checkable on raw text here
+        lo, hi = schema.get("minLength", 0), schema.get("maxLength", "")
+        return rule, [f"{rule}[suffix={_lark_text(_XML_END)}]: /(.|\\n){{{lo},{hi}}}/"]
+    if "string" in kinds or ("$ref" in json.dumps(schema) and not defs):
+        return None
+    return f"%json {_json_arg({**schema, **defs})} {_lark_text(_XML_END)}", []
+
+
+def _xml_call_rules(tool: Tool, i: int) -> list[str] | None:
+    """Rule ``fn_<i>``: one call of ``tool`` in the XML form (``<function=NAME>`` then a ``<parameter=KEY>`` block
+    per argument, in the schema's order, the optional ones optional), or None if an argument has no XML form."""
+    params = {"type": "object", **tool.parameters}
+    props = params.get("properties", {})
+    required = params.get("required", [])
+    defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
+    if not isinstance(props, dict) or not isinstance(required, list) or not set(required) <= set(props):
+        return None
+    rules, seq = [], []
+    for j, (key, schema) in enumerate(props.items()):
+        value = _xml_value_rule(schema, f"v_{i}_{j}", defs)
+        if value is None or not re.fullmatch(r"[^<>\n]+", key):
+            return None
+        rules += [f"p_{i}_{j}: {_lark_text(f'<parameter={key}>' + chr(10))} {value[0]}", *value[1]]
+        seq.append(f"p_{i}_{j}" + ("" if key in required else "?"))
+    if not props and params.get("additionalProperties", True) is not False:  # an open object: any keys, raw values
+        rules += [f'p_{i}_any: "<parameter=" /[A-Za-z0-9_.-]+/ ">\\n" v_{i}_any',
+                  f"v_{i}_any[suffix={_lark_text(_XML_END)}]: /(.|\\n)*/"]
+        seq.append(f"p_{i}_any*")
+    head = _lark_text(f"<function={tool.name}>\n")
+    return [f'fn_{i}: {head} {" ".join(seq)} "</function>\\n"', *rules]
+
+
+def call_grammar(tools: Iterable[Tool], content: Grammar | None = None, xml: bool = False) -> Grammar:
     """One call of one of ``tools`` in its block (Lark with embedded JSON schemas), or, with ``content`` (a JSON
-    output format), that JSON instead."""
+    output format), that JSON instead. ``xml`` (a template that teaches it: `teaches_xml_calls`): the call in the
+    XML form, each value raw text up to its ``</parameter>`` (strings) or JSON by its schema (numbers, objects ...),
+    as `read_xml_call` reads it; where an argument has no such form (a string with a pattern), the JSON form."""
     tools = list(tools)
-    lines = ["start: call | content" if content is not None else "start: call",
-             'call: "<tool_call>\\n" (' + " | ".join(f"fn_{i}" for i in range(len(tools))) + ') "\\n</tool_call>"']
-    lines += [f"fn_{i}: %json {_json_arg(call_schema(t))}" for i, t in enumerate(tools)]
+    xml_rules = [_xml_call_rules(t, i) for i, t in enumerate(tools)] if xml else []
+    if xml and all(r is not None for r in xml_rules):
+        lines = ["start: call | content" if content is not None else "start: call",
+                 'call: "<tool_call>\\n" (' + " | ".join(f"fn_{i}" for i in range(len(tools))) + ') "</tool_call>"']
+        lines += [line for rules in xml_rules for line in rules]
+    else:
+        lines = ["start: call | content" if content is not None else "start: call",
+                 'call: "<tool_call>\\n" (' + " | ".join(f"fn_{i}" for i in range(len(tools))) + ') "\\n</tool_call>"']
+        lines += [f"fn_{i}: %json {_json_arg(call_schema(t))}" for i, t in enumerate(tools)]
     if content is not None:
         if content.kind not in ("json_schema", "json_object"):
             raise GrammarError(f"a {content.kind} output constraint cannot be combined with tools")
@@ -206,13 +275,14 @@ def request_grammar(tools: ToolSet | None, content: Grammar | None, content_para
     content, so its output format does not apply."""
     if tools is None or not tools.active:
         return content
+    xml = teaches_xml_calls(engine.tokenizer)
     if tools.forced:
-        grammar = call_grammar(tools.forced)
+        grammar = call_grammar(tools.forced, xml=xml)
     elif content is None:
         return None
     else:
         try:
-            grammar = call_grammar(tools.tools, content)
+            grammar = call_grammar(tools.tools, content, xml=xml)
         except GrammarError as e:
             raise bad_request(f"{e}: remove '{content_param}' or set tool_choice to none", param=content_param,
                               code="invalid_value") from None
