@@ -15,8 +15,8 @@ One module per kernel family; the models call the ops through the functions re-e
 - `deltanet`: Qwen3.5's gated DeltaNet decode step (conv window, gates, delta rule, gated norm) in one kernel
   (`deltanet_decode`), and a prefill's chunk-to-chunk recurrence in another (`deltanet_chunk_scan`), their source
   in `deltanet_triton`;
-- `moe`: a MoE decode step's routed experts grouped by expert, each chosen expert read once (`moe_routed`; off until
-  measured: `moe.ENABLED`), its source in `moe_triton`;
+- `moe`: a MoE decode step's routed experts grouped by expert, each chosen expert read once (`moe_routed`; off,
+  `moe.ENABLED`: it wins from 16 rows only), its source in `moe_triton`;
 - `dequant`: a packed weight dequantized for a prefill chunk's cuBLAS GEMM (`dequantize`);
 - `linear_triton`: the Triton source of both (one packed-tile dequantization), imported on first launch;
 - `tiles`: every tile table and tiling constant of the three (and of `native`);
@@ -47,8 +47,8 @@ from .tiles import (BLOCK_N, INVARIANT_ROWS, PREFILL_TILES, SMALL_LINEAR_ROWS, S
 
 __all__ = ["BLOCK_N", "INVARIANT_ROWS", "Norm", "PREFILL_TILES", "PackedArgs", "SMALL_LINEAR_ROWS", "SMEM_BUDGET", "SPLIT_MAX",
            "available", "decode_attention", "decode_attention_rope", "deltanet_chunk_scan", "deltanet_decode", "dequantize",
-           "launch_decode",
-           "launch_decode_paged", "launch_deltanet_chunk_scan", "launch_deltanet_decode", "launch_moe_routed", "moe_routed",
+           "launch_decode", "launch_decode_paged", "launch_deltanet_chunk_scan", "launch_deltanet_decode",
+           "launch_moe_routed", "moe_routed",
            "launch_dequantize", "launch_linear", "launch_prefill", "launch_prefill_paged", "n_splits", "packed_linear_tiles",
            "paged_decode_attention", "paged_decode_attention_q8", "paged_decode_attention_rope",
            "paged_decode_attention_rope_q8", "paged_prefill_attention", "paged_prefill_attention_q8", "prefill_attention",
