@@ -39,33 +39,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import onecopy  # noqa: E402
-from onecopy.bench.decode import copy_bandwidth, moe_step_bytes  # noqa: E402
+from onecopy.bench.decode import batched_step_ms, copy_bandwidth, moe_step_bytes  # noqa: E402
 from onecopy.models.quantize import quantize_model  # noqa: E402
 from onecopy.models.source import preset_source  # noqa: E402
 from onecopy.runtime.memory import device_used  # noqa: E402
 
 EXECUTORCH = {"decode_tok_s": 98.0, "gpu": "A100", "weights": "HQQ-INT4", "peak_memory_GB": 17.6,
               "note": "ExecuTorch CUDA backend, Qwen3.5-35B-A3B, CUDA graphs (published)"}
-
-
-def step_ms(engine, sessions: list, steps: int, warmup: int = 3) -> float:
-    """Mean time of one decode step of ``sessions`` together (their batch size's graph); positions not advanced."""
-    rows, positions = [s.row for s in sessions], [s.position for s in sessions]
-    tok = torch.ones(len(rows), dtype=torch.long, device=engine.device)
-    for _ in range(warmup):
-        engine.runner.decode(rows, positions, tok)
-    if engine.device.type != "cuda":
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.runner.decode(rows, positions, tok)
-        return 1000 * (time.perf_counter() - t0) / steps
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        engine.runner.decode(rows, positions, tok)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps
 
 
 def engine_logits(engine, prompt: list[int], steps: int) -> tuple[list[torch.Tensor], list[int]]:
@@ -152,7 +132,7 @@ def main() -> None:
                          "graph_bytes": report.graph_bytes, "workspace_bytes": report.workspace_bytes,
                          "device_used_bytes": used,
                          "used_vs_weights_and_state": round(used / (report.unique_weight_bytes + report.pool_bytes), 3)}
-        b1 = step_ms(engine, sessions[:1], 50 if dev == "cuda" else 5)
+        b1 = batched_step_ms(engine, sessions[:1], 50 if dev == "cuda" else 5, warmup=3)
         need = moe_step_bytes(weights, engine.manifest.state, cfg.num_experts_per_tok, cfg.num_experts, a.prompt_len,
                               tied=cfg.tie_embeddings)
         res.update(decode_ms_b1=round(b1, 4), tok_s_b1=round(1000 / b1, 1), bytes_per_step_b1=need)
@@ -163,7 +143,7 @@ def main() -> None:
             res["share_of_floor_b1"] = round(res["floor_ms_b1"] / b1, 3)
             res["vs_executorch_b1"] = round(res["tok_s_b1"] / EXECUTORCH["decode_tok_s"], 2)
         for b in batches:
-            ms = step_ms(engine, sessions[:b], 30 if dev == "cuda" else 3)
+            ms = batched_step_ms(engine, sessions[:b], 30 if dev == "cuda" else 3, warmup=3)
             res[f"S{b}"] = {"decode_ms": round(ms, 4), "tok_s": round(b * 1000 / ms, 1),
                             "vs_one_session": round(b * b1 / ms, 2)}
         for s in sessions:
