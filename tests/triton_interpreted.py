@@ -1,0 +1,125 @@
+"""The Qwen3.5 Triton kernels run by Triton's CPU interpreter against float64 and the eager torch ops
+(`tests/test_triton_interpreted.py` runs this file in a process of its own: TRITON_INTERPRET must be set before a
+kernel is defined). Each check raises AssertionError with what differs; ``python tests/triton_interpreted.py NAME``."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from onecopy.models.attention import Step  # noqa: E402
+from onecopy.models.presets import PRESETS  # noqa: E402
+from onecopy.models.qwen3_5 import Experts  # noqa: E402
+from onecopy.models.qwen3_5_deltanet import GatedDeltaNet, chunk_terms, scan_chunks  # noqa: E402
+
+# the tiny preset's DeltaNet heads (dk = dv = 16, 2 key / 4 value heads) and Qwen3.5-35B-A3B's (128, 4 of its 16 / 32)
+HEADS = {"tiny": {}, "35b-a3b": dict(dim=256, linear_n_k_heads=2, linear_n_v_heads=4, linear_k_head_dim=128,
+                                     linear_v_head_dim=128)}
+
+
+def _layer(shape: str, dtype: torch.dtype) -> GatedDeltaNet:
+    torch.manual_seed(0)
+    m = GatedDeltaNet(dataclasses.replace(PRESETS["tiny-qwen3.5"].config, **HEADS[shape]))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if p.dim() < 2 else p.shape[-1] ** -0.5))
+    return m.to(dtype)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, eager: torch.Tensor, what: str) -> None:
+    """``got`` as close to float64 ``want`` as the eager float32 ops are (1.5x their mean error, 2x their largest:
+    both are float32 rounding, summed in other orders)."""
+    g, e = (got.double() - want).abs(), (eager.double() - want).abs()
+    assert g.mean() <= 1.5 * e.mean() + 1e-9 and g.max() <= 2 * e.max() + 1e-9, (what, float(g.mean()), float(e.mean()),
+                                                                                  float(g.max()), float(e.max()))
+
+
+def deltanet_decode() -> None:
+    """A decode step of five sessions (two at position 0: zero state) between the projections: output, conv window
+    and recurrent state as the eager step's; each row's bits the same alone as beside the others."""
+    from onecopy.kernels.deltanet import launch_deltanet_decode
+
+    for shape in HEADS:
+        m64, m32 = _layer(shape, torch.float64), _layer(shape, torch.float32)
+        rows, pos = torch.tensor([6, 1, 3, 0, 5]), torch.tensor([9, 0, 4, 0, 2])
+        conv = torch.randn(8, m32.conv_dim, m32.kernel)
+        rec = torch.randn(8, m32.nv, m32.dk, m32.dv) * 0.5
+        x = torch.randn(len(rows), 1, m32.in_proj.in_features)
+
+        def eager(m, dtype):
+            c, r = conv.to(dtype).clone(), rec.to(dtype).clone()
+            with torch.no_grad():
+                return m(x.to(dtype), Step(rows, pos, True), c, r, 1), c, r
+
+        def kernel(lo, hi):
+            c, r = conv.clone(), rec.clone()
+            with torch.no_grad():
+                proj = m32.in_proj(x[lo:hi])[:, 0]
+                out = launch_deltanet_decode(proj, c, m32.conv1d.weight, r, m32.A_log, m32.dt_bias, m32.norm.weight,
+                                             rows[lo:hi], pos[lo:hi], m32.nk, m32.norm.eps, wrap=False)
+                return m32.out_proj(out[:, None]), c, r
+
+        want, ref, got = eager(m64, torch.float64), eager(m32, torch.float32), kernel(0, 5)
+        for i, what in enumerate(("output", "conv window", "recurrent state")):
+            _close(got[i], want[i], ref[i], f"{shape} decode {what}")
+        part = kernel(2, 5)
+        assert torch.equal(part[0], got[0][2:]) and torch.equal(part[2][rows[2:]], got[2][rows[2:]]), shape
+
+
+def deltanet_chunk_scan() -> None:
+    """A prefill's chunk-to-chunk recurrence (the last chunk partly padding) as the torch loop's, output and state."""
+    from onecopy.kernels.deltanet import launch_deltanet_chunk_scan
+
+    for h, t, dk, dv, c in [(4, 70, 16, 16, 32), (2, 150, 128, 128, 64)]:
+        g = torch.Generator().manual_seed(t)
+        q, k = (F.normalize(torch.randn(h, t, dk, generator=g, dtype=torch.float64), dim=-1) for _ in range(2))
+        v = torch.randn(h, t, dv, generator=g, dtype=torch.float64)
+        decay = -torch.rand(h, t, generator=g, dtype=torch.float64) * 0.5
+        beta = torch.rand(h, t, generator=g, dtype=torch.float64)
+        state = torch.randn(h, dk, dv, generator=g, dtype=torch.float64) * 0.5
+        n = (t + 2 * c - 1) // c
+        want = scan_chunks(*chunk_terms(q, k, v, decay, beta, n, c), state)
+        terms = chunk_terms(*(x.float() for x in (q, k, v, decay, beta)), n, c)
+        ref = scan_chunks(*terms, state.float())
+        got = launch_deltanet_chunk_scan(*terms, state.float(), wrap=False)
+        assert got[0].shape == (h, n, c, dv) and got[0].is_contiguous()
+        _close(got[0], want[0], ref[0], f"scan output {dk}")
+        _close(got[1], want[1], ref[1], f"scan state {dk}")
+
+
+def moe_routed() -> None:
+    """A decode step's routed experts grouped by expert (runs of one to three 16-pair blocks) as the eager gathers
+    are, to float64; the last row's bits the same alone as beside the others."""
+    from onecopy.kernels.moe import launch_moe_routed
+
+    torch.manual_seed(0)
+    for e, d, inter, topk in [(4, 64, 32, 2), (16, 64, 32, 4)]:
+        ex = Experts(e, d, inter)
+        with torch.no_grad():
+            ex.gate_up_proj.copy_(torch.randn(e, 2 * inter, d) / d ** 0.5)
+            ex.down_proj.copy_(torch.randn(e, d, inter) / inter ** 0.5)
+        ref = Experts(e, d, inter).double()
+        ref.load_state_dict({k: w.double() for k, w in ex.state_dict().items()})
+        for n in (1, 3, 16, 40):
+            x = torch.randn(n, d)
+            idx = torch.stack([torch.randperm(e)[:topk] for _ in range(n)])
+            top = torch.softmax(torch.randn(n, topk), -1)
+            with torch.no_grad():
+                got = launch_moe_routed(x, idx, top, ex.gate_up_proj, ex.down_proj, wrap=False)
+                alone = launch_moe_routed(x[-1:], idx[-1:], top[-1:], ex.gate_up_proj, ex.down_proj, wrap=False)
+                _close(got, ref.routed(x.double(), idx, top.double()), ex.routed(x, idx, top), f"moe {e} {n}")
+            assert torch.equal(alone[0], got[-1]), (e, n)
+
+
+FUNCTIONS = {"deltanet_decode": deltanet_decode, "deltanet_chunk_scan": deltanet_chunk_scan, "moe_routed": moe_routed}
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or FUNCTIONS:
+        FUNCTIONS[name]()
+        print(f"{name}: ok", flush=True)
