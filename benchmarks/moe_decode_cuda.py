@@ -3,6 +3,7 @@ Inductor compiles it (`Experts.routed`: gathers feeding fused products, what an 
 
 Usage (on a CUDA machine, from the repository root):
     python benchmarks/moe_decode_cuda.py --out benchmarks/results/moe_decode_h100.json
+    python benchmarks/moe_decode_cuda.py --hidden-tiles 16,32 --out ...   # gate/up programs of 16 / 32 hidden units too
 
 One MoE layer's routed experts of the Qwen3.5-35B-A3B shape (256 experts of width 512 over 2048, 8 a token), bf16,
 random weights and routing, N rows; each variant captured in a CUDA graph and replayed (cold weights: copies of the
@@ -35,6 +36,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--sessions", default="1,4,16,64")
+    ap.add_argument("--hidden-tiles", default="", help="comma-separated gate/up hidden tiles to time besides the "
+                                                          "default (launch_moe_routed's hidden_tile: 16, 32)")
     a = ap.parse_args()
     torch.manual_seed(0)
     layers = []
@@ -57,7 +60,10 @@ def main() -> None:
             kernel = 1000 * graph_ms([lambda ex=ex: launch_moe_routed(x, idx, top, ex.gate_up_proj, ex.down_proj)
                                       for ex in layers])
             inductor = 1000 * graph_ms([lambda f=f: f(x, idx, top) for f in compiled])
-            for name, us in (("kernel", kernel), ("inductor", inductor)):
+            tiles = {f"kernel_bi{bi}": 1000 * graph_ms([lambda ex=ex, bi=bi: launch_moe_routed(
+                x, idx, top, ex.gate_up_proj, ex.down_proj, hidden_tile=bi) for ex in layers])
+                for bi in map(int, filter(None, a.hidden_tiles.split(",")))}
+            for name, us in (("kernel", kernel), ("inductor", inductor), *tiles.items()):
                 row[f"{name}_us"] = round(us, 2)
                 row[f"{name}_GBps"] = round(distinct * expert_bytes / us / 1e3, 1)
             row["speedup"] = round(inductor / kernel, 2)

@@ -44,10 +44,11 @@ def runs(idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def launch_moe_routed(x: torch.Tensor, idx: torch.Tensor, top: torch.Tensor, gate_up: torch.Tensor,
-                      down: torch.Tensor, wrap: bool = True) -> torch.Tensor:
+                      down: torch.Tensor, wrap: bool = True, hidden_tile: int | None = None) -> torch.Tensor:
     """x [N, D] through each row's k experts ``idx`` [N, k] weighted by ``top`` [N, k]: gate_up [E, 2 I, D] and
     down [E, D, I] (contiguous); returns [N, D] in x's dtype. ``wrap=False`` launches the kernels directly (Triton's
-    interpreter, outside any trace)."""
+    interpreter, outside any trace). ``hidden_tile``: the hidden width a gate/up program takes (a power of two from
+    16; default up to 64): fewer, longer programs against more programs for few rows (a benchmark's sweep)."""
     from torch.library import wrap_triton
 
     from .moe_triton import moe_down_kernel, moe_gate_up_kernel  # here: it imports Triton
@@ -69,10 +70,11 @@ def launch_moe_routed(x: torch.Tensor, idx: torch.Tensor, top: torch.Tensor, gat
     y = torch.empty((p, d), dtype=x.dtype, device=x.device)
     up_k, down_k = (wrap_triton(moe_gate_up_kernel), wrap_triton(moe_down_kernel)) if wrap else \
         (moe_gate_up_kernel, moe_down_kernel)
-    bi = min(64, max(16, 1 << (inter - 1).bit_length()))
+    width = min(64, max(16, 1 << (inter - 1).bit_length()))
+    bi = hidden_tile or width
     up_k[(p, -(-inter // bi), blocks)](x, gate_up, order, start, count, expert, h, x.stride(0), gate_up.stride(0),
                                        h.stride(0), D=d, INTER=inter, TOPK=k, BM=BM, BI=bi, BD=64, num_warps=4)
     bo = 64
     down_k[(p, -(-d // bo), blocks)](h, down, order, start, count, expert, y, h.stride(0), down.stride(0),
-                                     y.stride(0), D=d, INTER=inter, TOPK=k, BM=BM, BO=bo, BI=min(64, bi), num_warps=4)
+                                     y.stride(0), D=d, INTER=inter, TOPK=k, BM=BM, BO=bo, BI=width, num_warps=4)
     return (y.view(n, k, d) * top[..., None]).sum(1)
