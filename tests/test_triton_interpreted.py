@@ -1,6 +1,7 @@
-"""The Qwen3.5 Triton kernels (the DeltaNet decode step, a prefill's chunk scan, the grouped routed experts) on the
-CPU through Triton's interpreter, against float64 and the eager torch ops (`tests/triton_interpreted.py`): their
-math in CI, where no GPU runs them. Skipped where Triton is not installed (a CPU-only torch brings none)."""
+"""Triton kernels (Qwen3.5's DeltaNet decode step, a prefill's chunk scan, the grouped routed experts; a packed
+weight's dequantization; the split-KV decode attention) on the CPU through Triton's interpreter, against float64
+and the eager torch ops (`tests/triton_interpreted.py`): their math in CI, where no GPU runs them. Skipped where
+Triton is not installed (a CPU-only torch brings none)."""
 
 import importlib.util
 import os
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-CHECKS = ("deltanet_decode", "deltanet_chunk_scan", "moe_routed")  # triton_interpreted.FUNCTIONS (run by name)
+# triton_interpreted.FUNCTIONS, run by name
+CHECKS = ("deltanet_decode", "deltanet_chunk_scan", "moe_routed", "dequantize", "decode_attention")
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter)")
 
 

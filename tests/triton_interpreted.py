@@ -1,4 +1,5 @@
-"""The Qwen3.5 Triton kernels run by Triton's CPU interpreter against float64 and the eager torch ops
+"""Triton kernels run by Triton's CPU interpreter against float64 and the eager torch ops (Qwen3.5's, the packed
+weight's dequantization, the split-KV decode attention)
 (`tests/test_triton_interpreted.py` runs this file in a process of its own: TRITON_INTERPRET must be set before a
 kernel is defined). Each check raises AssertionError with what differs; ``python tests/triton_interpreted.py NAME``."""
 
@@ -32,12 +33,13 @@ def _layer(shape: str, dtype: torch.dtype) -> GatedDeltaNet:
     return m.to(dtype)
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, eager: torch.Tensor, what: str) -> None:
-    """``got`` as close to float64 ``want`` as the eager float32 ops are (1.5x their mean error, 2x their largest:
-    both are float32 rounding, summed in other orders)."""
+def _close(got: torch.Tensor, want: torch.Tensor, eager: torch.Tensor, what: str, mean: float = 1.5,
+           most: float = 2.0) -> None:
+    """``got`` as close to float64 ``want`` as the eager float32 ops are (``mean`` x their mean error, ``most`` x
+    their largest: both are float32 rounding, summed in other orders)."""
     g, e = (got.double() - want).abs(), (eager.double() - want).abs()
-    assert g.mean() <= 1.5 * e.mean() + 1e-9 and g.max() <= 2 * e.max() + 1e-9, (what, float(g.mean()), float(e.mean()),
-                                                                                  float(g.max()), float(e.max()))
+    assert g.mean() <= mean * e.mean() + 1e-9 and g.max() <= most * e.max() + 1e-9, (
+        what, float(g.mean()), float(e.mean()), float(g.max()), float(e.max()))
 
 
 def deltanet_decode() -> None:
@@ -117,7 +119,52 @@ def moe_routed() -> None:
             assert torch.equal(alone[0], got[-1]), (e, n)
 
 
-FUNCTIONS = {"deltanet_decode": deltanet_decode, "deltanet_chunk_scan": deltanet_chunk_scan, "moe_routed": moe_routed}
+def dequantize() -> None:
+    """A packed weight dequantized for a prefill's GEMM (int4 affine and int8 symmetric, groups of 32-128) is
+    `models.packed.dequantize`'s, bit for bit, in float32 (the interpreter truncates to bfloat16 where the GPU rounds:
+    the GPU test compares that)."""
+    from onecopy.kernels.dequant import launch_dequantize
+    from onecopy.layouts import LAYOUT_IDS
+    from onecopy.models.packed import dequantize as reference
+    from onecopy.models.quantize import quantize_weight
+
+    w = torch.randn(64, 512, generator=torch.Generator().manual_seed(0))
+    for mode, group in (("int4", 32), ("int4", 128), ("int8", 64)):
+        p = quantize_weight(w, mode, group)
+        got = launch_dequantize(p.qweight, p.scales, p.mins, LAYOUT_IDS[p.layout], p.group, torch.float32)
+        assert torch.equal(got, reference(p, torch.float32)), (mode, group)
+
+
+def decode_attention() -> None:
+    """The split-KV decode attention (split and merge kernels) over rows of a pool, grouped query heads, lengths 1 to
+    the whole row: as the eager softmax attention, to float64 (the split softmax's exps in another order: 3x its
+    largest error); the batch-invariant splits give a row the same bits alone as beside the others."""
+    from onecopy.kernels.decode import launch_decode
+
+    g = torch.Generator().manual_seed(0)
+    pool, hkv, s, d, hq = 5, 2, 300, 64, 8
+    k, v = (torch.randn(pool, hkv, s, d, generator=g) for _ in range(2))
+    rows, lengths = torch.tensor([3, 0, 4]), torch.tensor([1, 130, 300])
+    q = torch.randn(3, hq, d, generator=g)
+
+    def eager(dtype):
+        outs = []
+        for b in range(3):
+            kk, vv = (t[rows[b], :, :lengths[b]].to(dtype).repeat_interleave(hq // hkv, 0) for t in (k, v))
+            scores = (q[b].to(dtype)[:, None, :] @ kk.transpose(-1, -2))[:, 0] * d ** -0.5
+            outs.append((torch.softmax(scores, -1)[:, None, :] @ vv)[:, 0])
+        return torch.stack(outs)
+
+    want, ref = eager(torch.float64), eager(torch.float32)
+    for invariant in (False, True):
+        _close(launch_decode(q, None, k, v, rows, lengths, invariant=invariant), want, ref,
+               f"decode attention invariant={invariant}", mean=2.0, most=3.0)
+    alone = launch_decode(q[2:], None, k, v, rows[2:], lengths[2:], invariant=True)
+    assert torch.equal(alone[0], launch_decode(q, None, k, v, rows, lengths, invariant=True)[2])
+
+
+FUNCTIONS = {"deltanet_decode": deltanet_decode, "deltanet_chunk_scan": deltanet_chunk_scan, "moe_routed": moe_routed,
+             "dequantize": dequantize, "decode_attention": decode_attention}
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or FUNCTIONS:
