@@ -1,7 +1,8 @@
 """Triton kernels (Qwen3.5's DeltaNet decode step, a prefill's chunk scan, the grouped routed experts; a packed
-weight's dequantization; the split-KV decode attention) on the CPU through Triton's interpreter, against float64
-and the eager torch ops (`tests/triton_interpreted.py`): their math in CI, where no GPU runs them. Skipped where
-Triton is not installed (a CPU-only torch brings none)."""
+weight's dequantization; the split-KV decode and the prefill attention; the small linear, float and packed, with
+its folds) on the CPU through Triton's interpreter, against float64 and the eager torch ops
+(`tests/triton_interpreted.py`): their math in CI, where no GPU runs them. Skipped where Triton is not installed (a
+CPU-only torch brings none)."""
 
 import importlib.util
 import os
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 
 # triton_interpreted.FUNCTIONS, run by name
-CHECKS = ("deltanet_decode", "deltanet_chunk_scan", "moe_routed", "dequantize", "decode_attention")
+CHECKS = ("deltanet_decode", "deltanet_chunk_scan", "moe_routed", "dequantize", "decode_attention", "small_linear",
+          "prefill_attention")
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter)")
 
 

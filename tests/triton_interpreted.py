@@ -1,5 +1,5 @@
-"""Triton kernels run by Triton's CPU interpreter against float64 and the eager torch ops (Qwen3.5's, the packed
-weight's dequantization, the split-KV decode attention)
+"""Triton kernels run by Triton's CPU interpreter against float64 and the eager torch ops (Qwen3.5's, a packed
+weight's dequantization, the decode and prefill attention, the small linear)
 (`tests/test_triton_interpreted.py` runs this file in a process of its own: TRITON_INTERPRET must be set before a
 kernel is defined). Each check raises AssertionError with what differs; ``python tests/triton_interpreted.py NAME``."""
 
@@ -163,8 +163,57 @@ def decode_attention() -> None:
     assert torch.equal(alone[0], launch_decode(q, None, k, v, rows, lengths, invariant=True)[2])
 
 
+def small_linear() -> None:
+    """The small-linear kernel (a decode step's few rows): float and packed (int4 affine, int8) weights, plain, with
+    a residual added and as SwiGLU of a fused gate/up weight, as the eager float32 products are, to float64."""
+    from onecopy.kernels.linear import launch_linear
+    from onecopy.layouts import LAYOUT_IDS
+    from onecopy.models.packed import dequantize as reference
+    from onecopy.models.quantize import quantize_weight
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 256, generator=g), torch.randn(128, 256, generator=g) / 16
+    residual = torch.randn(3, 128, generator=g)
+    for mode in (None, "int4", "int8"):
+        p = quantize_weight(w, mode, 64) if mode else None
+        weight = reference(p) if p else w
+        args = (p.qweight, (p.scales, p.mins, LAYOUT_IDS[p.layout], p.group)) if p else (w, None)
+        for glu, res in ((False, None), (False, residual), (True, None)):
+            def eager(dtype):
+                y = x.to(dtype) @ weight.to(dtype).T
+                if glu:
+                    gate, up = y.split(64, -1)
+                    return F.silu(gate) * up
+                return y + res.to(dtype) if res is not None else y
+            got = launch_linear(x, args[0], res, glu, (32, 64, 4, 1), packed=args[1])[0]
+            _close(got, eager(torch.float64), eager(torch.float32), f"linear {mode} glu={glu} res={res is not None}")
+
+
+def prefill_attention() -> None:
+    """A prefill chunk's causal attention over its row of the pools (the chunk at positions 40..69 of a row whose
+    earlier positions are cached; grouped query heads) as the eager softmax attention, to float64."""
+    from onecopy.kernels.prefill import launch_prefill
+
+    g = torch.Generator().manual_seed(0)
+    pool, hkv, s, d, hq, start, t = 3, 2, 128, 64, 4, 40, 30
+    k, v = (torch.randn(pool, hkv, s, d, generator=g) for _ in range(2))
+    q = torch.randn(t, hq, d, generator=g)
+    rows, positions = torch.tensor([1]), torch.arange(start, start + t)
+
+    def eager(dtype):
+        kk, vv = (x[1, :, :start + t].to(dtype).repeat_interleave(hq // hkv, 0) for x in (k, v))  # [Hq, L, D]
+        scores = torch.einsum("thd,hld->htl", q.to(dtype), kk) * d ** -0.5
+        causal = torch.arange(start + t)[None, :] <= positions[:, None]  # [T, L]
+        probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
+        return torch.einsum("htl,hld->thd", probs, vv)
+
+    got = launch_prefill(q, k, v, rows, positions, (16, 16, 4, 1))
+    _close(got, eager(torch.float64), eager(torch.float32), "prefill attention", mean=2.0, most=3.0)
+
+
 FUNCTIONS = {"deltanet_decode": deltanet_decode, "deltanet_chunk_scan": deltanet_chunk_scan, "moe_routed": moe_routed,
-             "dequantize": dequantize, "decode_attention": decode_attention}
+             "dequantize": dequantize, "decode_attention": decode_attention, "small_linear": small_linear,
+             "prefill_attention": prefill_attention}
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or FUNCTIONS:
