@@ -161,13 +161,13 @@ def call_grammar(tools: Iterable[Tool], content: Grammar | None = None, xml: boo
     as `read_xml_call` reads it; where an argument has no such form (a string with a pattern), the JSON form."""
     tools = list(tools)
     xml_rules = [_xml_call_rules(t, i) for i, t in enumerate(tools)] if xml else []
-    if xml and all(r is not None for r in xml_rules):
-        lines = ["start: call | content" if content is not None else "start: call",
-                 'call: "<tool_call>\\n" (' + " | ".join(f"fn_{i}" for i in range(len(tools))) + ') "</tool_call>"']
+    xml = xml and all(r is not None for r in xml_rules)
+    close = "</tool_call>" if xml else "\\n</tool_call>"  # an XML call's last line ends in its own newline
+    lines = ["start: call | content" if content is not None else "start: call",
+             'call: "<tool_call>\\n" (' + " | ".join(f"fn_{i}" for i in range(len(tools))) + f') "{close}"']
+    if xml:
         lines += [line for rules in xml_rules for line in rules]
     else:
-        lines = ["start: call | content" if content is not None else "start: call",
-                 'call: "<tool_call>\\n" (' + " | ".join(f"fn_{i}" for i in range(len(tools))) + ') "\\n</tool_call>"']
         lines += [f"fn_{i}: %json {_json_arg(call_schema(t))}" for i, t in enumerate(tools)]
     if content is not None:
         if content.kind not in ("json_schema", "json_object"):
