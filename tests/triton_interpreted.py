@@ -5,19 +5,20 @@ kernel is defined). Each check raises AssertionError with what differs; ``python
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
+from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's `tests` package
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from onecopy.models.attention import Step  # noqa: E402
-from onecopy.models.presets import PRESETS  # noqa: E402
 from onecopy.models.qwen3_5 import Experts  # noqa: E402
 from onecopy.models.qwen3_5_deltanet import GatedDeltaNet, chunk_terms, scan_chunks  # noqa: E402
+from tests.qwen35_layers import random_deltanet, random_experts  # noqa: E402
 
 # the tiny preset's DeltaNet heads (dk = dv = 16, 2 key / 4 value heads) and Qwen3.5-35B-A3B's (128, 4 of its 16 / 32)
 HEADS = {"tiny": {}, "35b-a3b": dict(dim=256, linear_n_k_heads=2, linear_n_v_heads=4, linear_k_head_dim=128,
@@ -25,12 +26,7 @@ HEADS = {"tiny": {}, "35b-a3b": dict(dim=256, linear_n_k_heads=2, linear_n_v_hea
 
 
 def _layer(shape: str, dtype: torch.dtype) -> GatedDeltaNet:
-    torch.manual_seed(0)
-    m = GatedDeltaNet(dataclasses.replace(PRESETS["tiny-qwen3.5"].config, **HEADS[shape]))
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn_like(p) * (0.3 if p.dim() < 2 else p.shape[-1] ** -0.5))
-    return m.to(dtype)
+    return random_deltanet(**HEADS[shape]).to(dtype)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, eager: torch.Tensor, what: str, mean: float = 1.5,
@@ -100,12 +96,8 @@ def moe_routed() -> None:
     are, to float64; the last row's bits the same alone as beside the others."""
     from onecopy.kernels.moe import launch_moe_routed
 
-    torch.manual_seed(0)
     for e, d, inter, topk in [(4, 64, 32, 2), (16, 64, 32, 4)]:
-        ex = Experts(e, d, inter)
-        with torch.no_grad():
-            ex.gate_up_proj.copy_(torch.randn(e, 2 * inter, d) / d ** 0.5)
-            ex.down_proj.copy_(torch.randn(e, d, inter) / inter ** 0.5)
+        ex = random_experts(e, d, inter)
         ref = Experts(e, d, inter).double()
         ref.load_state_dict({k: w.double() for k, w in ex.state_dict().items()})
         for n in (1, 3, 16, 40):

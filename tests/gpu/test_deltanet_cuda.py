@@ -1,13 +1,12 @@
 """Qwen3.5's DeltaNet decode step as one Triton kernel (`kernels.deltanet`) against float64 and the eager step."""
 
-import dataclasses
-
 import pytest
 import torch
 
 from onecopy.models.attention import Step
-from onecopy.models.presets import PRESETS
 from onecopy.models.qwen3_5_deltanet import GatedDeltaNet
+
+from ..qwen35_layers import random_deltanet
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -17,13 +16,7 @@ SHAPES = {"tiny": {}, "35b-a3b": dict(dim=512, linear_n_k_heads=16, linear_n_v_h
 
 
 def _layer(shape: str) -> GatedDeltaNet:
-    cfg = dataclasses.replace(PRESETS["tiny-qwen3.5"].config, **SHAPES[shape])
-    torch.manual_seed(0)
-    m = GatedDeltaNet(cfg)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn_like(p) * (0.3 if p.dim() < 2 else p.shape[-1] ** -0.5))
-    return m
+    return random_deltanet(**SHAPES[shape])
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

@@ -5,6 +5,8 @@ import torch
 
 from onecopy.models.qwen3_5 import Experts
 
+from ..qwen35_layers import random_experts
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -16,12 +18,7 @@ def test_routed_experts_kernel_matches_float64_and_the_eager_step(e, d, inter, k
     the others (fixed 16-row tiles), and its GPU-graph replay equal to the eager launch."""
     from onecopy.kernels.moe import launch_moe_routed
 
-    torch.manual_seed(0)
-    ex = Experts(e, d, inter)
-    with torch.no_grad():
-        ex.gate_up_proj.copy_(torch.randn(e, 2 * inter, d) / d ** 0.5)
-        ex.down_proj.copy_(torch.randn(e, d, inter) / inter ** 0.5)
-    ex = ex.to("cuda", torch.bfloat16)
+    ex = random_experts(e, d, inter).to("cuda", torch.bfloat16)
     ref_ex = Experts(e, d, inter).to("cuda", torch.float64)  # the same bf16 values, in float64
     with torch.no_grad():
         ref_ex.gate_up_proj.copy_(ex.gate_up_proj.double()), ref_ex.down_proj.copy_(ex.down_proj.double())
