@@ -51,8 +51,6 @@ def launch_moe_routed(x: torch.Tensor, idx: torch.Tensor, top: torch.Tensor, gat
     16; default up to 64): fewer, longer programs against more programs for few rows (a benchmark's sweep)."""
     from torch.library import wrap_triton
 
-    from .moe_triton import moe_down_kernel, moe_gate_up_kernel  # here: it imports Triton
-
     n, d = x.shape
     k = idx.shape[1]
     e, two_i, _ = gate_up.shape
@@ -60,6 +58,8 @@ def launch_moe_routed(x: torch.Tensor, idx: torch.Tensor, top: torch.Tensor, gat
     if gate_up.shape[2] != d or down.shape != (e, d, inter) or top.shape != idx.shape:
         raise ValueError(f"moe_routed: x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)}, down "
                          f"{tuple(down.shape)}, idx {tuple(idx.shape)}, top {tuple(top.shape)} do not match")
+    from .moe_triton import moe_down_kernel, moe_gate_up_kernel  # here, past the checks: it imports Triton
+
     x = x if x.stride(-1) == 1 else x.contiguous()
     order, start, count, expert = runs(idx)
     p = n * k
